@@ -1,0 +1,121 @@
+"""Shared fixtures: real services (the machine's PostgreSQL/Redis when DATABASE_URL/REDIS_URL
+are set, embedded ones otherwise), a fresh database per test run, and a running platform
+(`treadle up` as a subprocess: API, a Celery worker process, PostgreSQL, Redis)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from treadle.platform import db
+from treadle.platform.embedded import EmbeddedServices, free_port
+
+ADMIN_KEY = "tml-test-admin-" + secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class Services:
+    database_url: str
+    redis_url: str
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    embedded = EmbeddedServices(tmp_path_factory.mktemp("embedded"))
+    server_url, redis_url = embedded.start(
+        os.environ.get("DATABASE_URL", ""), os.environ.get("REDIS_URL", "")
+    )
+    name = f"treadle_test_{os.getpid()}_{secrets.token_hex(3)}"
+    admin = sa.create_engine(db.sqlalchemy_url(server_url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = sa.make_url(db.sqlalchemy_url(server_url)).set(database=name)
+    database_url = url.render_as_string(hide_password=False).replace("+psycopg", "")
+    db.migrate(database_url)
+    try:
+        yield Services(database_url, redis_url)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+        embedded.stop()
+
+
+@pytest.fixture(scope="session")
+def engine(services: Services) -> Iterator[sa.Engine]:
+    eng = db.connect(services.database_url, pool_size=5)
+    yield eng
+    eng.dispose()
+
+
+@dataclass(frozen=True)
+class Platform:
+    base_url: str
+    admin_key: str
+    database_url: str
+    redis_url: str
+    data_dir: Path
+
+
+@pytest.fixture(scope="session")
+def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """`treadle up` on a free port against this run's database and Redis."""
+    data_dir = tmp_path_factory.mktemp("platform")
+    port = free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": services.database_url,
+        "REDIS_URL": services.redis_url,
+        "TREADLE_ADMIN_KEY": ADMIN_KEY,
+        "TREADLE_LONG_POLL_SECONDS": "5",
+    }
+    log = open(data_dir / "up.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "treadle.cli", "up", "--port", str(port), "--data-dir", str(data_dir)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_ready(proc, base_url, services, data_dir)
+        yield Platform(base_url, ADMIN_KEY, services.database_url, services.redis_url, data_dir)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _wait_until_ready(proc: subprocess.Popen[bytes], base_url: str, services: Services, data_dir: Path) -> None:
+    eng = db.connect(services.database_url, pool_size=1)
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError("treadle up exited:\n" + (data_dir / "up.log").read_text())
+            try:
+                healthy = httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            if healthy:
+                with eng.connect() as conn:
+                    if conn.execute(sa.text("SELECT count(*) FROM workers")).scalar_one():
+                        return
+            time.sleep(0.5)
+        logs = "\n".join(p.read_text() for p in sorted(data_dir.rglob("*.log")))
+        raise RuntimeError("the platform did not become ready in 180 s:\n" + logs)
+    finally:
+        eng.dispose()

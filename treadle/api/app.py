@@ -1,0 +1,99 @@
+"""Flask app factory: wires the platform's services, authentication and error translation.
+
+Views live in the `routes_*` blueprints; they parse, call the platform core and serialise.
+Imports platform only; never torch or gpu_worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+from celery import Celery
+from flask import Flask, current_app, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from treadle.platform import db, tenants
+from treadle.platform.config import PlatformConfig
+from treadle.platform.errors import TreadleError
+from treadle.platform.routing import make_celery
+
+log = logging.getLogger(__name__)
+
+PUBLIC_PATHS = ("/healthz", "/api/v1/healthz")
+
+
+@dataclass
+class Services:
+    """The API process's connections, built once in `create_app`."""
+
+    config: PlatformConfig
+    db: sa.Engine
+    celery: Celery
+    redis: redis.Redis
+
+
+def services() -> Services:
+    return current_app.extensions["treadle"]  # type: ignore[no-any-return]
+
+
+def principal() -> tenants.Principal:
+    return g.principal  # type: ignore[no-any-return]
+
+
+def create_app(config: PlatformConfig) -> Flask:
+    from treadle.api import (
+        routes_futures,
+        routes_sampling,
+        routes_sessions,
+        routes_training,
+        routes_treadle,
+    )
+
+    app = Flask("treadle")
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    svc = Services(
+        config=config,
+        db=db.connect(config.database_url, pool_size=20),
+        celery=make_celery(config.redis_url),
+        redis=redis.Redis.from_url(config.redis_url),
+    )
+    app.extensions["treadle"] = svc
+    if config.admin_key:
+        with svc.db.begin() as conn:
+            tenants.seed_key(conn, tenants.DEFAULT_TENANT, config.admin_key, "admin")
+
+    for module in (routes_sessions, routes_training, routes_sampling, routes_futures, routes_treadle):
+        app.register_blueprint(module.bp)
+
+    @app.before_request
+    def authenticate() -> None:
+        if request.path in PUBLIC_PATHS:
+            return
+        with svc.db.connect() as conn:
+            g.principal = tenants.authenticate(conn, request.headers.get("X-API-Key"))
+
+    @app.errorhandler(TreadleError)
+    def treadle_error(exc: TreadleError) -> Any:
+        return jsonify(error={"code": exc.code, "message": exc.message}), exc.status
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> Any:
+        message = exc.description or exc.name
+        if exc.code == 404:
+            message = f"no route {request.method} {request.path}; see docs/api.md for the routes"
+        return jsonify(error={"code": exc.name.lower().replace(" ", "_"), "message": message}), exc.code
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception) -> Any:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return jsonify(error={"code": "internal", "message": "internal server error"}), 500
+
+    return app
+
+
+def json_body() -> Any:
+    return request.get_json(force=True, silent=True)

@@ -1,0 +1,44 @@
+"""retrieve_future: long-polls an operation's result (Redis notice, database truth).
+
+Answers proto bytes for forward_backward and sample results, JSON for the rest,
+`{"type": "try_again"}` while pending, and `{"error", "category"}` for a failed operation.
+Imports platform only; never torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, jsonify
+
+from treadle.api.app import json_body, principal, services
+from treadle.api.schemas import RetrieveFuture, parse
+from treadle.api.wire import encode_forward_backward_output, encode_sample_response
+from treadle.platform import notify, operations
+
+bp = Blueprint("futures", __name__)
+
+PROTO = "application/x-protobuf"
+
+
+@bp.post("/api/v1/retrieve_future")
+def retrieve_future() -> Any:
+    body = parse(RetrieveFuture, json_body())
+    svc = services()
+    who = principal()
+
+    def check() -> operations.OperationRow | None:
+        with svc.db.connect() as conn:
+            op = operations.get_operation(conn, who, body.request_id)
+        return op if op.is_done else None
+
+    op = notify.wait_until(svc.redis, body.request_id, check, svc.config.long_poll_seconds)
+    if op is None:
+        return jsonify(type="try_again", request_id=body.request_id, queue_state="active")
+    if op.status == "failed":
+        return jsonify(error=op.error["message"], category=op.error["category"])
+    if op.type == "forward_backward":
+        return Response(encode_forward_backward_output(op.result), mimetype=PROTO)
+    if op.type == "sample":
+        return Response(encode_sample_response(op.result), mimetype=PROTO)
+    return jsonify(op.result)

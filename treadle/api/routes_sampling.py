@@ -1,0 +1,107 @@
+"""Sampling routes: create_sampling_session, samplers/<id>, asample.
+
+A sampler made by `save_weights_for_sampler` runs on its training session's worker; one made
+for a bare base model gets a sampling session of its own. Imports platform only; never torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, jsonify
+
+from treadle.api.admission import place, submit
+from treadle.api.app import json_body, principal, services
+from treadle.api.schemas import CreateSamplingSession, Sample, parse
+from treadle.platform import catalog, validation
+from treadle.platform import sessions as sessions_core
+from treadle.platform.errors import ValidationError
+
+bp = Blueprint("sampling", __name__)
+
+DEFAULT_MAX_TOKENS = 16
+
+
+@bp.post("/api/v1/create_sampling_session")
+def create_sampling_session() -> Any:
+    body = parse(CreateSamplingSession, json_body())
+    if body.model_path is not None:
+        raise ValidationError(
+            "sampling from a saved checkpoint (model_path) is not available on this server yet; "
+            "use base_model=..., or save_weights_and_get_sampling_client() on a training client"
+        )
+    if body.base_model is None:
+        raise ValidationError("create_sampling_session needs base_model")
+    catalog.get_base_model(body.base_model)
+    sampler = sessions_core.sampler_id(body.session_id, body.sampling_session_seq_id)
+    with services().db.begin() as conn:
+        sessions_core.get_client_session(conn, principal(), body.session_id)
+        sessions_core.create_session(
+            conn,
+            principal(),
+            session_id=sampler,
+            client_session_id=body.session_id,
+            kind="sampling",
+            base_model=body.base_model,
+        )
+        sessions_core.create_sampler(
+            conn,
+            principal(),
+            sampler=sampler,
+            client_session_id=body.session_id,
+            session_id=sampler,
+            base_model=body.base_model,
+            snapshot_id=None,
+        )
+    place(sampler)
+    return jsonify(sampling_session_id=sampler)
+
+
+@bp.get("/api/v1/samplers/<path:sampler>")
+def get_sampler(sampler: str) -> Any:
+    with services().db.connect() as conn:
+        row = sessions_core.get_sampler(conn, principal(), sampler)
+    return jsonify(sampler_id=row.id, base_model=row.base_model, model_path=row.model_path)
+
+
+@bp.post("/api/v1/asample")
+def asample() -> Any:
+    body = parse(Sample, json_body())
+    if body.sampling_session_id is None:
+        raise ValidationError(
+            "asample needs sampling_session_id; create one with create_sampling_session"
+        )
+    if body.topk_prompt_logprobs or body.topk_sample_logprobs or body.prompt_alt_tokens_k:
+        raise ValidationError("top-k logprobs and prompt_alt_tokens are not supported yet; set them to 0")
+    if body.prompt_logprobs_last_n is not None:
+        raise ValidationError("prompt_logprobs_last_n is not supported yet; omit it")
+    tokens: list[int] = []
+    for chunk in body.prompt.chunks:
+        if chunk.type != "encoded_text":
+            raise ValidationError(f"prompt has a {chunk.type} chunk; only encoded_text is supported")
+        tokens.extend(chunk.tokens)
+    params = body.sampling_params
+    max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
+    with services().db.connect() as conn:
+        sampler = sessions_core.get_sampler(conn, principal(), body.sampling_session_id)
+    validation.validate_prompt(tokens, catalog.get_base_model(sampler.base_model), max_tokens)
+    stop = params.stop
+    payload = {
+        "prompt": tokens,
+        "snapshot_id": sampler.snapshot_id,
+        "num_samples": body.num_samples,
+        "prompt_logprobs": body.prompt_logprobs,
+        "params": {
+            "max_tokens": max_tokens,
+            "temperature": params.temperature,
+            "top_k": params.top_k,
+            "top_p": params.top_p,
+            "seed": params.seed,
+            "stop": [stop] if isinstance(stop, str) else stop,
+        },
+    }
+    admission = submit(sampler.session_id, body.seq_id, "sample", payload, sampler_id=sampler.id)
+    return jsonify(
+        request_id=admission.request_id,
+        sample_sequence_ids=[f"{admission.request_id}:{i}" for i in range(body.num_samples)],
+    )

@@ -1,0 +1,140 @@
+"""Training routes: create_model, get_info, forward_backward, optim_step and sampler saves.
+
+Each operation is appended to the session's log before its wake-up is enqueued; the answer is a
+future `{request_id, model_id}` resolved through retrieve_future. Imports platform only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, jsonify, request
+
+from treadle.api.admission import place, submit
+from treadle.api.app import json_body, principal, services
+from treadle.api.schemas import CreateModel, ModelRef, OptimStep, SaveWeightsForSampler, parse
+from treadle.api.wire import decode_forward_backward
+from treadle.platform import catalog, validation
+from treadle.platform import sessions as sessions_core
+from treadle.platform.errors import ValidationError
+
+bp = Blueprint("training", __name__)
+
+DEFAULT_LORA_ALPHA = 32.0
+
+
+@bp.post("/api/v1/create_model")
+def create_model() -> Any:
+    body = parse(CreateModel, json_body())
+    catalog.get_base_model(body.base_model)
+    name = sessions_core.ensure_valid_name(body.training_session_name)
+    lora = body.lora_config
+    if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+        raise ValidationError("lora_config must train at least one of attn, mlp or unembed")
+    lora_config = {
+        "rank": lora.rank,
+        "alpha": lora.alpha if lora.alpha is not None else DEFAULT_LORA_ALPHA,
+        "seed": lora.seed if lora.seed is not None else 0,
+        "train_attn": lora.train_attn,
+        "train_mlp": lora.train_mlp,
+        "train_unembed": lora.train_unembed,
+    }
+    model_id = sessions_core.training_session_id(body.session_id, body.model_seq_id)
+    svc = services()
+    with svc.db.begin() as conn:
+        sessions_core.get_client_session(conn, principal(), body.session_id)
+        sessions_core.create_session(
+            conn,
+            principal(),
+            session_id=model_id,
+            client_session_id=body.session_id,
+            kind="training",
+            base_model=body.base_model,
+            name=name,
+            lora_config=lora_config,
+            user_metadata=body.user_metadata,
+        )
+    place(model_id)
+    admission = submit(
+        model_id, 0, "create_model", {"base_model": body.base_model, "lora_config": lora_config}
+    )
+    return jsonify(request_id=admission.request_id, model_id=model_id)
+
+
+@bp.post("/api/v1/get_info")
+def get_info() -> Any:
+    body = parse(ModelRef, json_body())
+    with services().db.connect() as conn:
+        session = sessions_core.get_session(conn, principal(), body.model_id)
+    return jsonify(
+        model_id=session.id,
+        model_data={
+            "arch": "llama",
+            "model_name": session.base_model,
+            "tokenizer_id": session.base_model,
+        },
+        is_lora=True,
+        lora_rank=session.lora_config.get("rank"),
+        lora_alpha=session.lora_config.get("alpha"),
+        training_session_name=session.name,
+        status=session.status,
+    )
+
+
+@bp.post("/api/v1/forward_backward")
+def forward_backward() -> Any:
+    if request.headers.get("Content-Encoding", "").lower() == "zstd":
+        raise ValidationError("zstd-compressed forward_backward bodies are not accepted; send it plain")
+    decoded = decode_forward_backward(request.get_data())
+    model_id, payload = decoded["model_id"], decoded["payload"]
+    if decoded["seq_id"] < 1:
+        raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
+    with services().db.connect() as conn:
+        session = sessions_core.get_session(conn, principal(), model_id)
+    validation.validate_forward_backward(payload, catalog.get_base_model(session.base_model))
+    admission = submit(model_id, decoded["seq_id"], "forward_backward", payload)
+    return jsonify(request_id=admission.request_id, model_id=model_id)
+
+
+@bp.post("/api/v1/optim_step")
+def optim_step() -> Any:
+    body = parse(OptimStep, json_body())
+    if body.optimizer_params is not None:
+        raise ValidationError(
+            "optimizer_params is not supported; this server trains with Adam: send adam_params"
+        )
+    admission = submit(body.model_id, body.seq_id, "optim_step", body.adam_params.model_dump())
+    return jsonify(request_id=admission.request_id, model_id=body.model_id)
+
+
+@bp.post("/api/v1/save_weights_for_sampler")
+def save_weights_for_sampler() -> Any:
+    body = parse(SaveWeightsForSampler, json_body())
+    if body.path is not None or body.sampling_session_seq_id is None:
+        raise ValidationError(
+            "named sampler checkpoints (path=...) are not available on this server yet; use "
+            "save_weights_and_get_sampling_client() for an ephemeral sampler"
+        )
+    with services().db.begin() as conn:
+        session = sessions_core.get_session(conn, principal(), body.model_id)
+        sampler = sessions_core.sampler_id(session.client_session_id, body.sampling_session_seq_id)
+        sessions_core.create_sampler(
+            conn,
+            principal(),
+            sampler=sampler,
+            client_session_id=session.client_session_id,
+            session_id=session.id,
+            base_model=session.base_model,
+            snapshot_id=sampler,
+        )
+    admission = submit(body.model_id, body.seq_id, "save_weights_for_sampler", {"sampler_id": sampler})
+    return jsonify(request_id=admission.request_id, model_id=body.model_id)
+
+
+@bp.post("/api/v1/save_weights")
+@bp.post("/api/v1/load_weights")
+@bp.post("/api/v1/save_weights_external")
+def checkpoints_not_available() -> Any:
+    raise ValidationError(
+        f"{request.path.rsplit('/', 1)[-1]} (checkpoints) is not available on this server yet"
+    )

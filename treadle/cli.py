@@ -1,0 +1,140 @@
+"""The `treadle` command: `up` (the whole embedded platform), `worker`, `migrate`.
+
+This is an entry point: it builds the PlatformConfig from the environment once and passes it down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from treadle.platform.config import PlatformConfig
+
+log = logging.getLogger("treadle")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="treadle", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run API + worker(s), with embedded PostgreSQL/Redis if unset")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8080)
+    up.add_argument("--data-dir", type=Path, default=None)
+    up.add_argument("--workers", type=int, default=1)
+    worker = sub.add_parser("worker", help="run one Celery worker that hosts sessions")
+    worker.add_argument("--worker-id", default=None)
+    worker.add_argument("--index", type=int, default=0)
+    migrate = sub.add_parser("migrate", help="upgrade the database schema to the latest version")
+    migrate.add_argument("--data-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = PlatformConfig.from_env()
+    if getattr(args, "data_dir", None) is not None:
+        config = PlatformConfig.from_env({**os.environ, "TREADLE_DATA_DIR": str(args.data_dir)})
+    if args.command == "up":
+        return cmd_up(config, args.host, args.port, args.workers)
+    if args.command == "worker":
+        from treadle.gpu_worker.runtime import default_worker_id, run_worker
+
+        run_worker(config, args.worker_id or default_worker_id(config, args.index))
+        return 0
+    return cmd_migrate(config)
+
+
+def cmd_migrate(config: PlatformConfig) -> int:
+    from treadle.platform import db
+    from treadle.platform.embedded import EmbeddedServices
+
+    embedded = EmbeddedServices(config.data_dir)
+    url, _ = embedded.start(config.database_url, "unused")
+    try:
+        db.migrate(url)
+    finally:
+        embedded.stop()
+    print("schema is at the latest version")
+    return 0
+
+
+def _admin_key(config: PlatformConfig) -> str:
+    """TREADLE_ADMIN_KEY, else one generated once and kept (mode 600) under the data dir."""
+    if config.admin_key:
+        return config.admin_key
+    path = config.data_dir / "admin_key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"tml-admin-{secrets.token_urlsafe(24)}\n")
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
+    from waitress.server import create_server
+
+    from treadle.api.app import create_app
+    from treadle.platform import db
+    from treadle.platform.embedded import EmbeddedServices
+
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    embedded = EmbeddedServices(config.data_dir)
+    workers: list[subprocess.Popen[bytes]] = []
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        database_url, redis_url = embedded.start(config.database_url, config.redis_url)
+        config = PlatformConfig.from_env(
+            {**os.environ, **config.with_services(database_url, redis_url).to_env(),
+             "TREADLE_ADMIN_KEY": _admin_key(config)}
+        )  # fmt: skip
+        db.migrate(config.database_url)
+        log_dir = config.data_dir / "logs"
+        log_dir.mkdir(exist_ok=True)
+        env = {**os.environ, **config.to_env()}
+        for i in range(n_workers):
+            with open(log_dir / f"worker{i}.log", "ab") as out:
+                workers.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "treadle.cli", "worker", "--index", str(i)],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        app = create_app(config)
+        server = create_server(app, host=host, port=port, threads=128, connection_limit=1000)
+        print(
+            f"Treadle is up at http://{host}:{server.effective_port} with {n_workers} worker(s)\n"
+            f"  admin key: {config.admin_key}\n  data dir:  {config.data_dir}\n"
+            f"  worker logs: {log_dir}",
+            flush=True,
+        )
+        server.run()
+    except KeyboardInterrupt:
+        print("Treadle is shutting down", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for proc in workers:
+            proc.terminate()
+        deadline = time.monotonic() + 30
+        for proc in workers:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        embedded.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

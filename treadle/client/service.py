@@ -1,0 +1,168 @@
+"""ServiceClient: entry point of Treadle's SDK, a thin layer over the official tinker SDK.
+
+Reads TREADLE_BASE_URL / TREADLE_API_KEY (then the TINKER_ ones), lists base models and creates
+training sessions with a name, rank and alpha. Imports nothing from the server side.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import TracebackType
+from typing import Any
+
+import tinker
+from tinker import types
+from tinker.lib.api_future_impl import _APIFuture
+from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+from tinker.lib.public_interfaces.training_client import fetch_training_info
+
+from treadle.client.sampling import SamplingClient
+from treadle.client.training import TrainingClient
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8080"
+
+
+class ConfigurationError(ValueError):
+    """The SDK is missing a setting (base URL or API key)."""
+
+
+class ServiceClient:
+    """Connects to a Treadle platform.
+
+    Args:
+        base_url: the platform's URL; default $TREADLE_BASE_URL, $TINKER_BASE_URL, then
+            http://127.0.0.1:8080.
+        api_key: a `tml-...` key; default $TREADLE_API_KEY, then $TINKER_API_KEY.
+    Raises:
+        ConfigurationError: no API key was given or found.
+    Example:
+        svc = treadle.ServiceClient(base_url="http://127.0.0.1:8080", api_key="tml-...")
+        print(svc.list_base_models())
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        user_metadata: dict[str, str] | None = None,
+    ) -> None:
+        base_url = (
+            base_url
+            or os.environ.get("TREADLE_BASE_URL")
+            or os.environ.get("TINKER_BASE_URL")
+            or DEFAULT_BASE_URL
+        ).rstrip("/")
+        api_key = api_key or os.environ.get("TREADLE_API_KEY") or os.environ.get("TINKER_API_KEY")
+        if not api_key:
+            raise ConfigurationError(
+                "no API key: pass api_key='tml-...' or set TREADLE_API_KEY "
+                "(`treadle up` prints the admin key)"
+            )
+        self.base_url = base_url
+        self.api_key = api_key
+        self._inner = tinker.ServiceClient(
+            user_metadata=user_metadata, base_url=base_url, api_key=api_key
+        )
+
+    def list_base_models(self) -> list[str]:
+        """Names of the base models this platform can train and sample."""
+        caps = self._inner.get_server_capabilities()
+        return [m.model_name for m in caps.supported_models if m.model_name]
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        *,
+        training_session_name: str | None = None,
+        rank: int = 32,
+        alpha: float | None = None,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: dict[str, str] | None = None,
+    ) -> TrainingClient:
+        """Start a training session (base model + a fresh LoRA adapter) and wait until it is live.
+
+        Args:
+            base_model: a name from list_base_models().
+            training_session_name: a label for audit and listing (1-128 chars, no '/').
+            rank, alpha: the LoRA rank and scaling numerator (scale = alpha / rank; default 32).
+            seed: seeds the adapter's initialisation.
+        Raises:
+            tinker.RequestFailedError / tinker.BadRequestError: the server refused the session.
+        Example:
+            tc = svc.create_lora_training_client("treadle/tiny-debug", rank=8, alpha=16)
+        """
+        holder = self._inner.holder
+        session_id = holder.get_session_id()
+        model_seq_id = holder.get_training_client_id()
+        lora: dict[str, Any] = {
+            "rank": rank,
+            "train_mlp": train_mlp,
+            "train_attn": train_attn,
+            "train_unembed": train_unembed,
+        }
+        if alpha is not None:
+            lora["alpha"] = alpha
+        if seed is not None:
+            lora["seed"] = seed
+        body: dict[str, Any] = {
+            "session_id": session_id,
+            "model_seq_id": model_seq_id,
+            "base_model": base_model,
+            "lora_config": lora,
+            "optimizer_config": {"type": "adamw"},
+            "type": "create_model",
+        }
+        if training_session_name is not None:
+            body["training_session_name"] = training_session_name
+        if user_metadata:
+            body["user_metadata"] = user_metadata
+
+        async def create() -> tinker.TrainingClient:
+            start = time.time()
+            with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
+                future = await client.post(
+                    "/api/v1/create_model", body=body, cast_to=types.UntypedAPIFuture
+                )
+            response = await _APIFuture(
+                types.CreateModelResponse, holder, future, start, "CreateModel"
+            ).result_async()
+            info = await fetch_training_info(holder, response.model_id)
+            return tinker.TrainingClient(
+                holder, model_seq_id=model_seq_id, model_id=response.model_id, info=info
+            )
+
+        inner = holder.run_coroutine_threadsafe(create()).result()
+        return TrainingClient(
+            inner,
+            base_url=self.base_url,
+            api_key=self.api_key,
+            base_model=base_model,
+            name=training_session_name,
+        )
+
+    def create_sampling_client(self, base_model: str) -> SamplingClient:
+        """A sampler on a bare base model."""
+        inner = self._inner.create_sampling_client(base_model=base_model).result()
+        return SamplingClient(
+            inner, base_url=self.base_url, api_key=self.api_key, base_model=base_model
+        )
+
+    def close(self) -> None:
+        """Finish the client session: every training session it opened stops."""
+        self._inner.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

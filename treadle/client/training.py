@@ -1,0 +1,118 @@
+"""TrainingClient: the tinker SDK's training client plus Treadle's ergonomics.
+
+Every GPU-bound call returns a future at once; operations run in call order, so `optim_step`
+may be sent before `forward_backward` finishes. `stop()` (or leaving a `with` block) stops the
+session. Imports nothing from the server side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import httpx
+import tinker
+from tinker import types
+
+from treadle.client.sampling import SamplingClient
+from treadle.client.tokenizer import fetch_tokenizer
+
+
+class TrainingClient:
+    """A live training session: a base model plus a LoRA adapter on a worker.
+
+    Example:
+        with svc.create_lora_training_client("treadle/tiny-debug", rank=8, alpha=16) as tc:
+            tc.forward_backward(datums, loss_fn="cross_entropy").result()
+    """
+
+    def __init__(
+        self,
+        inner: tinker.TrainingClient,
+        *,
+        base_url: str,
+        api_key: str,
+        base_model: str,
+        name: str | None,
+    ) -> None:
+        self._inner = inner
+        self._base_url = base_url
+        self._api_key = api_key
+        self.base_model = base_model
+        self.training_session_name = name
+        self._stopped = False
+
+    @property
+    def model_id(self) -> str:
+        return str(self._inner.model_id)
+
+    def forward_backward(
+        self,
+        data: Sequence[types.Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> Any:
+        """Compute the loss and accumulate gradients; returns a future of ForwardBackwardOutput.
+
+        Args:
+            data: the datums (model_input + loss_fn_inputs, targets already shifted).
+            loss_fn: the loss name, e.g. "cross_entropy".
+            loss_fn_config: numeric options of the loss (e.g. PPO clip thresholds).
+        Raises:
+            tinker.RequestFailedError (from .result()) when the server rejects the operation.
+        """
+        return self._inner.forward_backward(list(data), loss_fn, loss_fn_config)
+
+    def forward(
+        self,
+        data: Sequence[types.Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> Any:
+        """Like forward_backward, with no gradient and no state change."""
+        return self._inner.forward(list(data), loss_fn, loss_fn_config)
+
+    def optim_step(self, adam_params: types.AdamParams | None = None) -> Any:
+        """Apply the accumulated gradients with Adam; returns a future of OptimStepResponse."""
+        return self._inner.optim_step(adam_params or types.AdamParams())
+
+    def save_weights_and_get_sampling_client(self) -> SamplingClient:
+        """Snapshot the current weights and return a SamplingClient on them (waits for the save)."""
+        inner = self._inner.save_weights_and_get_sampling_client().result()
+        return SamplingClient(
+            inner, base_url=self._base_url, api_key=self._api_key, base_model=self.base_model
+        )
+
+    def get_tokenizer(self) -> Any:
+        """The base model's tokenizer, served by the platform (no hub access)."""
+        return fetch_tokenizer(self._base_url, self._api_key, self.base_model)
+
+    def get_info(self) -> Any:
+        return self._inner.get_info()
+
+    def stop(self) -> None:
+        """Stop the session: its worker frees the adapter. Idempotent."""
+        if self._stopped:
+            return
+        response = httpx.post(
+            f"{self._base_url}/api/v1/treadle/sessions/{self.model_id}/stop",
+            headers={"X-API-Key": self._api_key},
+            timeout=30,
+        )
+        response.raise_for_status()
+        self._stopped = True
+
+    def __enter__(self) -> TrainingClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

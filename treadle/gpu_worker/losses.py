@@ -1,0 +1,185 @@
+"""Training losses, by name, and the validation of the data they consume.
+
+Owns `EngineDatum`, the loss registry (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
+`dro`) and every check on a datum's tokens and `loss_fn_inputs`. A loss maps the target-token
+logprobs `lp` of the current model to an elementwise loss; the total is its sum over tokens and
+datums (normalising is the client's job). Formulas: /work/shared/reference/semantics.md.
+Must not import flask, sqlalchemy, celery or treadle.api.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from treadle.platform.errors import ValidationError
+
+__all__ = ["LOSSES", "EngineDatum", "LossFn", "get_loss", "resolve_config", "validate_data"]
+
+Tensor = torch.Tensor
+Compute = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
+
+
+@dataclass(frozen=True)
+class EngineDatum:
+    """Input tokens (already flattened) and named per-token arrays, e.g. `target_tokens` int64
+    [T] and `weights` float32 [T]; position i of `tokens` predicts `target_tokens[i]`."""
+
+    tokens: tuple[int, ...]
+    loss_fn_inputs: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class LossFn:
+    """A loss: the float inputs it needs besides `target_tokens`, its config keys with defaults
+    and valid (inclusive) ranges, and `compute(lp_B_T, inputs, config) -> elementwise_loss_B_T`."""
+
+    name: str
+    float_inputs: tuple[str, ...]
+    compute: Compute
+    config: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ("target_tokens", *self.float_inputs)
+
+
+def _cross_entropy(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
+    return -x["weights"] * lp
+
+
+def _importance_sampling(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
+    return -torch.exp(lp - x["logprobs"]) * x["advantages"]
+
+
+def _ppo(lp: Tensor, x: Mapping[str, Tensor], c: Mapping[str, float]) -> Tensor:
+    ratio = torch.exp(lp - x["logprobs"])
+    clipped = ratio.clamp(c["clip_low_threshold"], c["clip_high_threshold"])
+    return -torch.minimum(ratio * x["advantages"], clipped * x["advantages"])
+
+
+def _cispo(lp: Tensor, x: Mapping[str, Tensor], c: Mapping[str, float]) -> Tensor:
+    ratio = torch.exp(lp - x["logprobs"]).detach()
+    clipped = ratio.clamp(c["clip_low_threshold"], c["clip_high_threshold"])
+    return -clipped * lp * x["advantages"]
+
+
+def _dro(lp: Tensor, x: Mapping[str, Tensor], c: Mapping[str, float]) -> Tensor:
+    return -(lp * x["advantages"] - 0.5 * c["beta"] * (lp - x["logprobs"]) ** 2)
+
+
+_RL_INPUTS = ("logprobs", "advantages")
+# key -> (default, lowest, highest); ranges as SageMaker accepts them
+_CLIP = {"clip_low_threshold": (0.8, 0.0, 1.0), "clip_high_threshold": (1.2, 1.0, 10.0)}
+
+LOSSES: dict[str, LossFn] = {
+    loss.name: loss
+    for loss in (
+        LossFn("cross_entropy", ("weights",), _cross_entropy),
+        LossFn("importance_sampling", _RL_INPUTS, _importance_sampling),
+        LossFn("ppo", _RL_INPUTS, _ppo, _CLIP),
+        LossFn("cispo", _RL_INPUTS, _cispo, _CLIP),
+        LossFn("dro", _RL_INPUTS, _dro, {"beta": (0.05, 0.0, float("inf"))}),
+    )
+}
+
+
+def get_loss(name: str) -> LossFn:
+    """The loss called `name`; ValidationError listing the known ones otherwise."""
+    try:
+        return LOSSES[name]
+    except KeyError:
+        known = ", ".join(sorted(LOSSES))
+        raise ValidationError(f"unknown loss_fn {name!r}; choose one of: {known}") from None
+
+
+def resolve_config(loss: LossFn, config: Mapping[str, float] | None) -> dict[str, float]:
+    """`config` completed with the loss's defaults; unknown keys and out-of-range values raise."""
+    given = dict(config or {})
+    unknown = sorted(set(given) - set(loss.config))
+    if unknown:
+        accepted = ", ".join(sorted(loss.config)) or "none"
+        raise ValidationError(
+            f"loss_fn_config keys {unknown} are not used by {loss.name!r}; accepted keys: {accepted}"
+        )
+    resolved: dict[str, float] = {}
+    for key, (default, low, high) in loss.config.items():
+        value = float(given.get(key, default))
+        if not low <= value <= high:
+            raise ValidationError(
+                f"loss_fn_config {key}={value} is out of range for {loss.name!r}; "
+                f"it must be between {low} and {high}"
+            )
+        resolved[key] = value
+    if "clip_low_threshold" in resolved and (
+        resolved["clip_low_threshold"] > resolved["clip_high_threshold"]
+    ):
+        raise ValidationError(
+            "loss_fn_config clip_low_threshold must not exceed clip_high_threshold"
+        )
+    return resolved
+
+
+def validate_data(
+    data: Sequence[EngineDatum], loss: LossFn, *, vocab_size: int, max_context_length: int
+) -> list[dict[str, np.ndarray]]:
+    """Check every datum for `loss`; return per datum its arrays (`tokens` and `target_tokens`
+    int64, float inputs float32), all of length T.
+
+    Raises ValidationError naming the datum index and field of the first problem.
+    """
+    if not data:
+        raise ValidationError("data is empty; send at least one datum")
+    return [_validate_datum(i, d, loss, vocab_size, max_context_length) for i, d in enumerate(data)]
+
+
+def _validate_datum(
+    i: int, datum: EngineDatum, loss: LossFn, vocab_size: int, max_context_length: int
+) -> dict[str, np.ndarray]:
+    n_tokens = len(datum.tokens)
+    if n_tokens == 0:
+        raise ValidationError(f"datum {i}: model_input is empty; send at least one token")
+    if n_tokens > max_context_length:
+        raise ValidationError(
+            f"datum {i}: model_input has {n_tokens} tokens but the model's maximum context is "
+            f"{max_context_length}; shorten or split the sequence"
+        )
+    arrays = {"tokens": _token_array(i, "model_input", datum.tokens, vocab_size)}
+    missing = [name for name in loss.inputs if name not in datum.loss_fn_inputs]
+    if missing:
+        raise ValidationError(
+            f"datum {i}: loss_fn_inputs lacks {missing}; loss {loss.name!r} needs "
+            f"{list(loss.inputs)}"
+        )
+    for name in loss.inputs:
+        value = np.asarray(datum.loss_fn_inputs[name])
+        if value.ndim != 1 or value.shape[0] != n_tokens:
+            raise ValidationError(
+                f"datum {i}: {name} has shape {list(value.shape)} but model_input has {n_tokens} "
+                f"tokens; it must be a flat array of {n_tokens} entries"
+            )
+        if name == "target_tokens":
+            arrays[name] = _token_array(i, name, value, vocab_size)
+            continue
+        if not (np.issubdtype(value.dtype, np.number) and np.isfinite(value).all()):
+            raise ValidationError(f"datum {i}: {name} must hold finite numbers only")
+        arrays[name] = value.astype(np.float32)
+    return arrays
+
+
+def _token_array(i: int, name: str, values: object, vocab_size: int) -> np.ndarray:
+    tokens = np.asarray(values)
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise ValidationError(f"datum {i}: {name} must hold integer token ids, got {tokens.dtype}")
+    tokens = tokens.astype(np.int64)
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    if bad.size:
+        j = int(bad[0])
+        raise ValidationError(
+            f"datum {i}: {name}[{j}] = {int(tokens[j])} is not a token id of this model; "
+            f"ids must be in [0, {vocab_size})"
+        )
+    return tokens

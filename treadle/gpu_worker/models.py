@@ -1,0 +1,106 @@
+"""Base models as torch modules: the tiny debug Llama and SmolLM2 (from its GGUF, cached).
+
+Owns the model cache `<cache_dir>/models/<safe name>/` (safetensors written once from the
+dequantised GGUF; later loads read it directly). Returns frozen models in eval mode; LoRA is the
+engine's business. Must not import flask, sqlalchemy, celery or treadle.api.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from treadle.platform.catalog import BaseModelInfo, get_base_model, smollm2_gguf_path
+from treadle.platform.tokenizers import load_tokenizer, safe_name
+
+__all__ = ["TINY_DEBUG_SEED", "build_tiny_debug", "load_base_model", "model_dir"]
+
+TINY_DEBUG_SEED = 0
+
+
+def load_base_model(
+    name: str, cache_dir: Path, device: str | torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The catalogue model `name` on `device` in `dtype`, frozen, with its tokenizer.
+
+    Raises ValidationError for an unknown name.
+    """
+    info = get_base_model(name)
+    tokenizer = load_tokenizer(name, cache_dir)
+    if info.kind == "tiny-debug":
+        model: PreTrainedModel = build_tiny_debug(tokenizer)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir(info, cache_dir)), dtype=dtype)
+    model.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def build_tiny_debug(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    """A 2-layer Llama with random weights from a fixed seed, bit-identical in every process.
+
+    Built in float32 on the CPU (whatever the target device) inside a forked RNG, so the global
+    RNG is left untouched.
+    """
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_DEBUG_SEED)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype=torch.float32)
+
+
+def model_dir(info: BaseModelInfo, cache_dir: Path) -> Path:
+    """The safetensors folder of a GGUF catalogue model, converting the GGUF on first use."""
+    folder = Path(cache_dir) / "models" / safe_name(info.name)
+    if not (folder / "config.json").is_file():
+        _convert_gguf(folder)
+    return folder
+
+
+def _convert_gguf(folder: Path) -> None:
+    """Dequantise the GGUF into float32 safetensors under `folder`, atomically: racing processes
+    each write a private temporary folder and the first rename wins."""
+    gguf = smollm2_gguf_path()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The weights are already dequantised; forget the GGUF "quantisation" so they serialise.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,208 @@
+"""Batched sampling of continuations of one prompt, with a KV cache.
+
+Owns `SamplingSpec`, the sample results and the decode loop: prefill the prompt once, repeat its
+KV cache for `num_samples` rows, then decode step by step with temperature, top-k, top-p, a
+per-call seeded generator and stop tokens/strings. Knows nothing of adapters: the caller activates
+the weights to sample with. Must not import flask, sqlalchemy, celery or treadle.api.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from treadle.platform.errors import ValidationError
+
+__all__ = ["SampleResult", "SampledSequence", "SamplingSpec", "generate", "validate_sampling"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """`temperature` 0 = greedy; `top_k` -1 (or 0) = off; `stop` None = stop at EOS, ints = stop
+    token ids (kept in the output), strings = stop once the decoded continuation contains one,
+    () = never stop early; `seed` None = a fresh random seed."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    stop: tuple[str, ...] | tuple[int, ...] | None = None
+    seed: int | None = None
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None
+    prefill_tokens: int
+    sample_tokens: int
+
+
+def validate_sampling(
+    prompt: Sequence[int],
+    num_samples: int,
+    params: SamplingSpec,
+    *,
+    vocab_size: int,
+    max_context_length: int,
+) -> list[int]:
+    """`prompt` as a list of ints; ValidationError saying what is wrong with the request, and
+    how to fix it, otherwise."""
+    if len(prompt) == 0:
+        raise ValidationError("prompt is empty; send at least one token")
+    tokens: list[int] = []
+    for j, token in enumerate(prompt):
+        try:
+            tokens.append(operator.index(token))
+        except TypeError:
+            raise ValidationError(f"prompt[{j}] = {token!r} is not an integer token id") from None
+        if not 0 <= tokens[-1] < vocab_size:
+            raise ValidationError(
+                f"prompt[{j}] = {tokens[-1]} is not a token id of this model; ids must be in "
+                f"[0, {vocab_size})"
+            )
+    if num_samples < 1:
+        raise ValidationError(f"num_samples is {num_samples}; it must be at least 1")
+    if params.max_tokens < 0:
+        raise ValidationError(f"max_tokens is {params.max_tokens}; it must be 0 or more")
+    if len(prompt) + params.max_tokens > max_context_length:
+        raise ValidationError(
+            f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+            f"model's maximum context of {max_context_length}; shorten one of them"
+        )
+    if not params.temperature >= 0.0:
+        raise ValidationError(f"temperature is {params.temperature}; it must be 0 or more")
+    if params.top_k < -1:
+        raise ValidationError(f"top_k is {params.top_k}; use -1 for no limit or a positive k")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValidationError(f"top_p is {params.top_p}; it must be in (0, 1]")
+    stop = params.stop or ()
+    if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) for s in stop)):
+        raise ValidationError("stop must be all strings or all token ids, not a mix")
+    if any(isinstance(s, str) and not s for s in stop):
+        raise ValidationError("stop holds an empty string; remove it")
+    return tokens
+
+
+def generate(
+    model: PreTrainedModel,
+    prompt: Sequence[int],
+    num_samples: int,
+    params: SamplingSpec,
+    *,
+    eos_token_id: int | None,
+    decode: Callable[[list[int]], str],
+    want_prompt_logprobs: bool = False,
+) -> SampleResult:
+    """Sample `num_samples` continuations of `prompt` with whatever weights `model` runs now.
+
+    Per-token logprobs are under softmax(logits / temperature) before top-k/top-p truncation
+    (under softmax(logits) when greedy). Call `validate_sampling` first.
+    """
+    device = next(model.parameters()).device
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    stop_ids, stop_strings = _stop_rules(params.stop, eos_token_id)
+    tokens_N: list[list[int]] = [[] for _ in range(num_samples)]
+    logprobs_N: list[list[float]] = [[] for _ in range(num_samples)]
+    reasons: list[str | None] = [None] * num_samples
+    prompt_logprobs: list[float | None] | None = None
+
+    with torch.inference_mode():
+        prompt_1_P = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+        cache = DynamicCache(config=model.config)
+        kwarg = _cache_kwarg(model)
+        keep = 0 if want_prompt_logprobs else 1
+        out = model(input_ids=prompt_1_P, use_cache=True, logits_to_keep=keep, **{kwarg: cache})
+        logits_1_K_V = out.logits.float()
+        if want_prompt_logprobs:
+            lp_1_Pm1 = _token_logprobs(logits_1_K_V[:, :-1], prompt_1_P[:, 1:])
+            prompt_logprobs = [None, *lp_1_Pm1[0].tolist()]
+        if params.max_tokens > 0:
+            cache.batch_repeat_interleave(num_samples)
+            logits_N_V = logits_1_K_V[:, -1].expand(num_samples, -1)
+        for step in range(params.max_tokens):
+            chosen_N, lp_N = _choose(logits_N_V, params, generator)
+            for row, (token, lp) in enumerate(zip(chosen_N.tolist(), lp_N.tolist(), strict=True)):
+                if reasons[row] is not None:
+                    continue
+                tokens_N[row].append(token)
+                logprobs_N[row].append(lp)
+                if token in stop_ids or (
+                    stop_strings and any(s in decode(tokens_N[row]) for s in stop_strings)
+                ):
+                    reasons[row] = "stop"
+            if all(r is not None for r in reasons) or step == params.max_tokens - 1:
+                break
+            out = model(input_ids=chosen_N[:, None], use_cache=True, **{kwarg: cache})
+            logits_N_V = out.logits[:, -1].float()
+
+    sequences = [
+        SampledSequence(tokens=t, logprobs=lp, stop_reason=r or "length")
+        for t, lp, r in zip(tokens_N, logprobs_N, reasons, strict=True)
+    ]
+    return SampleResult(
+        sequences=sequences,
+        prompt_logprobs=prompt_logprobs,
+        prefill_tokens=len(prompt),
+        sample_tokens=sum(len(t) for t in tokens_N),
+    )
+
+
+def _cache_kwarg(model: PreTrainedModel) -> str:
+    """transformers 5 renamed `past_key_values` to `cache` (the old name warns, then goes)."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _stop_rules(
+    stop: tuple[str, ...] | tuple[int, ...] | None, eos_token_id: int | None
+) -> tuple[set[int], tuple[str, ...]]:
+    if stop is None:
+        return ({eos_token_id} if eos_token_id is not None else set()), ()
+    return {s for s in stop if isinstance(s, int)}, tuple(s for s in stop if isinstance(s, str))
+
+
+def _token_logprobs(logits_B_T_V: torch.Tensor, tokens_B_T: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[token] per position, computed without materialising the softmax."""
+    picked_B_T = logits_B_T_V.gather(-1, tokens_B_T[..., None])[..., 0]
+    return picked_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
+
+
+def _choose(
+    logits_N_V: torch.Tensor, params: SamplingSpec, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token per row and its logprob (before truncation)."""
+    if params.temperature == 0.0:
+        chosen_N = logits_N_V.argmax(dim=-1)
+        return chosen_N, _token_logprobs(logits_N_V, chosen_N)
+    scaled_N_V = logits_N_V / params.temperature
+    logprobs_N_V = torch.log_softmax(scaled_N_V, dim=-1)
+    truncated_N_V = logprobs_N_V
+    vocab = logprobs_N_V.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth_N_1 = torch.topk(truncated_N_V, params.top_k, dim=-1).values[:, -1:]
+        truncated_N_V = truncated_N_V.masked_fill(truncated_N_V < kth_N_1, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_N_V, order_N_V = torch.sort(truncated_N_V, dim=-1, descending=True)
+        probs_N_V = torch.softmax(sorted_N_V, dim=-1)
+        mass_before_N_V = probs_N_V.cumsum(dim=-1) - probs_N_V
+        drop_sorted_N_V = mass_before_N_V >= params.top_p  # the top token is always kept
+        drop_N_V = torch.zeros_like(drop_sorted_N_V).scatter(-1, order_N_V, drop_sorted_N_V)
+        truncated_N_V = truncated_N_V.masked_fill(drop_N_V, float("-inf"))
+    probs_N_V = torch.softmax(truncated_N_V, dim=-1)
+    chosen_N = torch.multinomial(probs_N_V, 1, generator=generator)[:, 0]
+    return chosen_N, logprobs_N_V.gather(-1, chosen_N[:, None])[:, 0]

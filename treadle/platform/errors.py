@@ -1,0 +1,77 @@
+"""Treadle's error hierarchy: one root, categories that also inherit the matching built-in.
+
+Errors are raised by the core and translated only at the edges (API -> JSON with a status,
+worker -> failed future with a category, SDK -> one exception class per status).
+Imports nothing from the rest of Treadle.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "ConflictError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "TreadleError",
+    "UnavailableError",
+    "ValidationError",
+]
+
+
+class TreadleError(Exception):
+    """Root of every error Treadle raises on purpose."""
+
+    status = 500
+    code = "internal"
+    category = "server"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return (type(self), (self.message,))
+
+
+class ValidationError(TreadleError, ValueError):
+    """The request is malformed; the message says what is wrong and how to fix it."""
+
+    status = 400
+    code = "invalid_request"
+    category = "user"
+
+
+class AuthenticationError(TreadleError, PermissionError):
+    status = 401
+    code = "unauthenticated"
+    category = "user"
+
+
+class PermissionDeniedError(TreadleError, PermissionError):
+    status = 403
+    code = "permission_denied"
+    category = "user"
+
+
+class NotFoundError(TreadleError, LookupError):
+    """The thing does not exist, or belongs to another tenant (indistinguishable on purpose)."""
+
+    status = 404
+    code = "not_found"
+    category = "user"
+
+
+class ConflictError(TreadleError):
+    """The request contradicts one already accepted (e.g. a different payload under a used seq_id)."""
+
+    status = 400
+    code = "conflict"
+    category = "user"
+
+
+class UnavailableError(TreadleError):
+    """A dependency (database, broker, worker) cannot serve the request right now; retry later."""
+
+    status = 503
+    code = "unavailable"
+    category = "server"

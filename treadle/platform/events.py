@@ -1,0 +1,101 @@
+"""The event store: an append-only log, one stream per session.
+
+`append` takes the session row's lock (it bumps `sessions.last_event_seq`), so appends to one
+session are serialised and numbered 1, 2, 3, ... without gaps; the database refuses UPDATE and
+DELETE on `events`. Event types are past-tense facts. Imports nothing from api, gpu_worker or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from treadle.platform.errors import NotFoundError
+from treadle.platform.schema import events, sessions
+
+EVENT_TYPES = (
+    "SessionCreated",
+    "SessionLeased",
+    "SessionStopped",
+    "OperationRequested",
+    "OperationCompleted",
+    "OperationFailed",
+    "OperationsSkipped",
+)
+
+
+@dataclass(frozen=True)
+class Event:
+    position: int
+    session_id: str
+    seq: int
+    type: str
+    data: Mapping[str, Any]
+    tenant_id: str
+    actor: str | None
+    created_at: datetime
+
+
+def append(
+    conn: sa.Connection,
+    session_id: str,
+    tenant_id: str,
+    type: str,
+    data: Mapping[str, Any],
+    *,
+    actor: str | None = None,
+) -> Event:
+    """Append one event to a session's stream inside the caller's transaction."""
+    assert type in EVENT_TYPES, type
+    seq = conn.execute(
+        sa.update(sessions)
+        .where(sessions.c.id == session_id)
+        .values(last_event_seq=sessions.c.last_event_seq + 1, updated_at=sa.func.now())
+        .returning(sessions.c.last_event_seq)
+    ).scalar_one_or_none()
+    if seq is None:
+        raise NotFoundError(f"session {session_id} not found")
+    row = conn.execute(
+        events.insert()
+        .values(
+            session_id=session_id,
+            seq=seq,
+            type=type,
+            data=dict(data),
+            tenant_id=tenant_id,
+            actor=actor,
+        )
+        .returning(events.c.position, events.c.created_at)
+    ).one()
+    return Event(row.position, session_id, seq, type, data, tenant_id, actor, row.created_at)
+
+
+def read_stream(
+    conn: sa.Connection, session_id: str, *, types: tuple[str, ...] | None = None
+) -> list[Event]:
+    query = sa.select(events).where(events.c.session_id == session_id).order_by(events.c.seq)
+    if types:
+        query = query.where(events.c.type.in_(types))
+    return [_event(r) for r in conn.execute(query)]
+
+
+def read_at(conn: sa.Connection, position: int) -> Event:
+    row = conn.execute(sa.select(events).where(events.c.position == position)).one()
+    return _event(row)
+
+
+def _event(row: sa.Row[Any]) -> Event:
+    return Event(
+        position=row.position,
+        session_id=row.session_id,
+        seq=row.seq,
+        type=row.type,
+        data=row.data,
+        tenant_id=row.tenant_id,
+        actor=row.actor,
+        created_at=row.created_at,
+    )

@@ -1,0 +1,143 @@
+"""The database schema, as SQLAlchemy Core tables.
+
+Alembic migrations (`migrations/versions`) are the only way the schema changes; a test checks
+that these tables and the migrations never drift. Imports nothing from api, gpu_worker or torch.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = sa.MetaData()
+
+NOW = sa.text("now()")
+
+tenants = sa.Table(
+    "tenants",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("secret_hash", sa.Text, nullable=False),
+    sa.Column("role", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("revoked_at", sa.DateTime(timezone=True)),
+    sa.Index("uq_api_keys_secret_hash", "secret_hash", unique=True),
+)
+
+# A client session (Tinker `create_session`): groups the training and sampling sessions that
+# one ServiceClient opens, and carries its heartbeat.
+client_sessions = sa.Table(
+    "client_sessions",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("tags", JSONB, nullable=False, server_default=sa.text("'[]'::jsonb")),
+    sa.Column("user_metadata", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+workers = sa.Table(
+    "workers",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("info", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+)
+
+# A session: one event stream. `training` = base model + LoRA adapter (a Tinker model id
+# "<client session>:train:<n>"); `sampling` = a base-model sampler with no adapter.
+sessions = sa.Table(
+    "sessions",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("client_session_id", sa.Text, sa.ForeignKey("client_sessions.id"), nullable=False),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("name", sa.Text),
+    sa.Column("base_model", sa.Text, nullable=False),
+    sa.Column("lora_config", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("user_metadata", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("worker_id", sa.Text),
+    sa.Column("lease_epoch", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("last_applied_seq", sa.BigInteger, nullable=False, server_default="-1"),
+    sa.Column("last_event_seq", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Index("ix_sessions_tenant", "tenant_id"),
+    sa.Index("ix_sessions_worker", "worker_id"),
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("position", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("session_id", sa.Text, nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("type", sa.Text, nullable=False),
+    sa.Column("data", JSONB, nullable=False),
+    sa.Column("blob_key", sa.Text),
+    sa.Column("tenant_id", sa.Text, nullable=False),
+    sa.Column("actor", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.UniqueConstraint("session_id", "seq", name="uq_events_session_seq"),
+)
+
+samplers = sa.Table(
+    "samplers",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("client_session_id", sa.Text, sa.ForeignKey("client_sessions.id"), nullable=False),
+    sa.Column("session_id", sa.Text, sa.ForeignKey("sessions.id"), nullable=False),
+    sa.Column("base_model", sa.Text, nullable=False),
+    sa.Column("snapshot_id", sa.Text),
+    sa.Column("model_path", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+# Projection: one row per requested operation. Training operations are keyed by
+# (session_id, seq_id); sample operations by (sampler_id, seq_id).
+operations = sa.Table(
+    "operations",
+    metadata,
+    sa.Column("request_id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, nullable=False),
+    sa.Column("session_id", sa.Text, sa.ForeignKey("sessions.id"), nullable=False),
+    sa.Column("sampler_id", sa.Text),
+    sa.Column("seq_id", sa.BigInteger, nullable=False),
+    sa.Column("type", sa.Text, nullable=False),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("payload_hash", sa.Text, nullable=False),
+    sa.Column("request_position", sa.BigInteger, nullable=False),
+    sa.Column("result", JSONB),
+    sa.Column("error", JSONB),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("completed_at", sa.DateTime(timezone=True)),
+    sa.Index(
+        "uq_operations_training_seq",
+        "session_id",
+        "seq_id",
+        unique=True,
+        postgresql_where=sa.text("sampler_id IS NULL"),
+    ),
+    sa.Index(
+        "uq_operations_sample_seq",
+        "sampler_id",
+        "seq_id",
+        unique=True,
+        postgresql_where=sa.text("sampler_id IS NOT NULL"),
+    ),
+)

@@ -1,0 +1,350 @@
+"""Sessions: client sessions, training/sampling sessions, samplers, and worker leases.
+
+A training session is a Tinker model (`<client session>:train:<n>`): a base model plus a LoRA
+adapter, one event stream, leased to one worker at a time (worker id + epoch). Every lookup is
+scoped by tenant, and another tenant's id answers exactly like a missing one.
+Imports nothing from api, gpu_worker or torch.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from treadle.platform import events
+from treadle.platform.errors import NotFoundError, ValidationError
+from treadle.platform.schema import client_sessions, samplers, sessions, workers
+from treadle.platform.tenants import Principal
+
+ACTIVE_STATUSES = ("Created", "Running")
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    id: str
+    tenant_id: str
+    client_session_id: str
+    kind: str
+    name: str | None
+    base_model: str
+    lora_config: Mapping[str, Any]
+    status: str
+    worker_id: str | None
+    lease_epoch: int
+    last_applied_seq: int
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in ACTIVE_STATUSES
+
+
+def training_session_id(client_session_id: str, model_seq_id: int) -> str:
+    """The Tinker SDK derives model ids itself in this exact format (create-via-load)."""
+    return f"{client_session_id}:train:{model_seq_id}"
+
+
+def sampler_id(client_session_id: str, sampling_session_seq_id: int) -> str:
+    return f"{client_session_id}:sample:{sampling_session_seq_id}"
+
+
+def create_client_session(
+    conn: sa.Connection, principal: Principal, tags: list[str], user_metadata: Mapping[str, Any]
+) -> str:
+    session_id = "sess-" + secrets.token_hex(8)
+    conn.execute(
+        client_sessions.insert().values(
+            id=session_id,
+            tenant_id=principal.tenant_id,
+            tags=list(tags),
+            user_metadata=dict(user_metadata),
+            status="Running",
+        )
+    )
+    return session_id
+
+
+def get_client_session(conn: sa.Connection, principal: Principal, session_id: str) -> str:
+    row = conn.execute(
+        sa.select(client_sessions.c.id, client_sessions.c.status).where(
+            client_sessions.c.id == session_id,
+            client_sessions.c.tenant_id == principal.tenant_id,
+        )
+    ).first()
+    if row is None:
+        raise NotFoundError(f"session {session_id} not found; create one with create_session")
+    return str(row.status)
+
+
+def heartbeat_client_session(conn: sa.Connection, principal: Principal, session_id: str) -> str:
+    status = conn.execute(
+        sa.update(client_sessions)
+        .where(
+            client_sessions.c.id == session_id,
+            client_sessions.c.tenant_id == principal.tenant_id,
+        )
+        .values(heartbeat_at=sa.func.now())
+        .returning(client_sessions.c.status)
+    ).scalar_one_or_none()
+    if status is None:
+        raise NotFoundError(f"session {session_id} not found")
+    return str(status)
+
+
+def create_session(
+    conn: sa.Connection,
+    principal: Principal,
+    *,
+    session_id: str,
+    client_session_id: str,
+    kind: str,
+    base_model: str,
+    name: str | None = None,
+    lora_config: Mapping[str, Any] | None = None,
+    user_metadata: Mapping[str, Any] | None = None,
+) -> bool:
+    """Create a session row and its SessionCreated event. Returns False if it already existed."""
+    stmt = sa.dialects.postgresql.insert(sessions).values(
+        id=session_id,
+        tenant_id=principal.tenant_id,
+        client_session_id=client_session_id,
+        kind=kind,
+        name=name,
+        base_model=base_model,
+        lora_config=dict(lora_config or {}),
+        user_metadata=dict(user_metadata or {}),
+        status="Created",
+    )
+    inserted = conn.execute(
+        stmt.on_conflict_do_nothing(index_elements=["id"]).returning(sessions.c.id)
+    ).first()
+    if inserted is None:
+        get_session(conn, principal, session_id)  # 404 if it is another tenant's
+        return False
+    events.append(
+        conn,
+        session_id,
+        principal.tenant_id,
+        "SessionCreated",
+        {
+            "kind": kind,
+            "base_model": base_model,
+            "name": name,
+            "lora_config": dict(lora_config or {}),
+            "client_session_id": client_session_id,
+        },
+        actor=principal.key_id,
+    )
+    return True
+
+
+def get_session(
+    conn: sa.Connection, principal: Principal | None, session_id: str, *, for_update: bool = False
+) -> SessionRow:
+    """Look a session up; `principal=None` is the platform itself (workers), unscoped."""
+    query = sa.select(sessions).where(sessions.c.id == session_id)
+    if principal is not None:
+        query = query.where(sessions.c.tenant_id == principal.tenant_id)
+    if for_update:
+        query = query.with_for_update()
+    row = conn.execute(query).first()
+    if row is None:
+        raise NotFoundError(f"model {session_id} not found")
+    return SessionRow(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        client_session_id=row.client_session_id,
+        kind=row.kind,
+        name=row.name,
+        base_model=row.base_model,
+        lora_config=row.lora_config,
+        status=row.status,
+        worker_id=row.worker_id,
+        lease_epoch=row.lease_epoch,
+        last_applied_seq=row.last_applied_seq,
+    )
+
+
+def list_sessions(conn: sa.Connection, principal: Principal) -> list[SessionRow]:
+    ids = conn.execute(
+        sa.select(sessions.c.id)
+        .where(sessions.c.tenant_id == principal.tenant_id)
+        .order_by(sessions.c.created_at)
+    ).scalars()
+    return [get_session(conn, principal, i) for i in ids]
+
+
+def create_sampler(
+    conn: sa.Connection,
+    principal: Principal,
+    *,
+    sampler: str,
+    client_session_id: str,
+    session_id: str,
+    base_model: str,
+    snapshot_id: str | None,
+) -> None:
+    stmt = sa.dialects.postgresql.insert(samplers).values(
+        id=sampler,
+        tenant_id=principal.tenant_id,
+        client_session_id=client_session_id,
+        session_id=session_id,
+        base_model=base_model,
+        snapshot_id=snapshot_id,
+    )
+    conn.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
+
+
+@dataclass(frozen=True)
+class SamplerRow:
+    id: str
+    session_id: str
+    base_model: str
+    snapshot_id: str | None
+    model_path: str | None
+
+
+def get_sampler(conn: sa.Connection, principal: Principal | None, sampler: str) -> SamplerRow:
+    query = sa.select(samplers).where(samplers.c.id == sampler)
+    if principal is not None:
+        query = query.where(samplers.c.tenant_id == principal.tenant_id)
+    row = conn.execute(query).first()
+    if row is None:
+        raise NotFoundError(
+            f"sampler {sampler} not found; create one with create_sampling_session or "
+            "save_weights_for_sampler"
+        )
+    return SamplerRow(row.id, row.session_id, row.base_model, row.snapshot_id, row.model_path)
+
+
+def stop_session(conn: sa.Connection, principal: Principal, session_id: str, reason: str) -> bool:
+    """Mark a session Stopped (appends SessionStopped). Returns False if it was already stopped."""
+    session = get_session(conn, principal, session_id, for_update=True)
+    if not session.is_active:
+        return False
+    conn.execute(
+        sa.update(sessions).where(sessions.c.id == session_id).values(status="Stopped")
+    )
+    events.append(
+        conn,
+        session_id,
+        principal.tenant_id,
+        "SessionStopped",
+        {"reason": reason},
+        actor=principal.key_id,
+    )
+    return True
+
+
+def finish_client_session(
+    conn: sa.Connection, principal: Principal, client_session_id: str, reason: str
+) -> list[str]:
+    """Finish a client session and stop every session it opened; returns the stopped ids."""
+    get_client_session(conn, principal, client_session_id)
+    conn.execute(
+        sa.update(client_sessions)
+        .where(client_sessions.c.id == client_session_id)
+        .values(status="Finished")
+    )
+    ids = conn.execute(
+        sa.select(sessions.c.id).where(
+            sessions.c.client_session_id == client_session_id,
+            sessions.c.status.in_(ACTIVE_STATUSES),
+        )
+    ).scalars()
+    return [i for i in list(ids) if stop_session(conn, principal, i, reason)]
+
+
+# --- workers and leases -------------------------------------------------------------------
+
+
+def heartbeat_worker(conn: sa.Connection, worker_id: str, info: Mapping[str, Any]) -> None:
+    stmt = sa.dialects.postgresql.insert(workers).values(id=worker_id, info=dict(info))
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["id"], set_={"heartbeat_at": sa.func.now(), "info": dict(info)}
+        )
+    )
+
+
+def live_workers(conn: sa.Connection, ttl_seconds: float) -> list[str]:
+    return list(
+        conn.execute(
+            sa.select(workers.c.id)
+            .where(workers.c.heartbeat_at > sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, ttl_seconds))
+            .order_by(workers.c.id)
+        ).scalars()
+    )
+
+
+def place_session(conn: sa.Connection, session_id: str, ttl_seconds: float) -> str | None:
+    """Lease an unleased session to the live worker with the fewest active sessions.
+
+    Returns the worker id, or None when no worker is alive (a worker claims it when it starts).
+    """
+    live = live_workers(conn, ttl_seconds)
+    if not live:
+        return None
+    load = dict(
+        conn.execute(
+            sa.select(sessions.c.worker_id, sa.func.count())
+            .where(sessions.c.worker_id.in_(live), sessions.c.status.in_(ACTIVE_STATUSES))
+            .group_by(sessions.c.worker_id)
+        ).all()
+    )
+    worker_id = min(live, key=lambda w: (load.get(w, 0), w))
+    return worker_id if lease_session(conn, session_id, worker_id, only_if_unleased=True) else None
+
+
+def lease_session(
+    conn: sa.Connection, session_id: str, worker_id: str, *, only_if_unleased: bool
+) -> bool:
+    """Give a session's lease to a worker with epoch + 1 (appends SessionLeased)."""
+    query = sa.update(sessions).where(sessions.c.id == session_id)
+    if only_if_unleased:
+        query = query.where(sessions.c.worker_id.is_(None))
+    row = conn.execute(
+        query.values(worker_id=worker_id, lease_epoch=sessions.c.lease_epoch + 1).returning(
+            sessions.c.tenant_id, sessions.c.lease_epoch
+        )
+    ).first()
+    if row is None:
+        return False
+    events.append(
+        conn, session_id, row.tenant_id, "SessionLeased", {"worker_id": worker_id, "epoch": row.lease_epoch}
+    )
+    return True
+
+
+def unleased_sessions(conn: sa.Connection, limit: int = 50) -> list[str]:
+    return list(
+        conn.execute(
+            sa.select(sessions.c.id)
+            .where(sessions.c.worker_id.is_(None), sessions.c.status.in_(ACTIVE_STATUSES))
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).scalars()
+    )
+
+
+def sessions_leased_to(conn: sa.Connection, worker_id: str) -> list[str]:
+    return list(
+        conn.execute(
+            sa.select(sessions.c.id).where(
+                sessions.c.worker_id == worker_id, sessions.c.status.in_(ACTIVE_STATUSES)
+            )
+        ).scalars()
+    )
+
+
+def ensure_valid_name(name: str | None) -> str | None:
+    if name is None:
+        return None
+    if not (1 <= len(name) <= 128) or any(c in name for c in "/\x00") or name in (".", ".."):
+        raise ValidationError(
+            "training_session_name must be 1-128 characters with no '/' or NUL, and not '.' or '..'"
+        )
+    return name
