@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     migrate.add_argument("--data-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     config = PlatformConfig.from_env()
     if getattr(args, "data_dir", None) is not None:
         config = PlatformConfig.from_env({**os.environ, "TREADLE_DATA_DIR": str(args.data_dir)})

@@ -11,6 +11,7 @@ import time
 from types import TracebackType
 from typing import Any
 
+import httpx
 import tinker
 from tinker import types
 from tinker.lib.api_future_impl import _APIFuture
@@ -68,8 +69,13 @@ class ServiceClient:
 
     def list_base_models(self) -> list[str]:
         """Names of the base models this platform can train and sample."""
-        caps = self._inner.get_server_capabilities()
-        return [m.model_name for m in caps.supported_models if m.model_name]
+        response = httpx.get(
+            f"{self.base_url}/api/v1/get_server_capabilities",
+            headers={"X-API-Key": self.api_key},
+            timeout=30,
+        )
+        response.raise_for_status()
+        return [m["model_name"] for m in response.json()["supported_models"]]
 
     def create_lora_training_client(
         self,
@@ -152,9 +158,9 @@ class ServiceClient:
             inner, base_url=self.base_url, api_key=self.api_key, base_model=base_model
         )
 
-    def close(self) -> None:
+    def close(self, status: str = "success") -> None:
         """Finish the client session: every training session it opened stops."""
-        self._inner.close()
+        self._inner.close(status).result()  # type: ignore[arg-type]
 
     def __enter__(self) -> ServiceClient:
         return self
@@ -165,4 +171,4 @@ class ServiceClient:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close("success" if exc_type is None else "errored")
