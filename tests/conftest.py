@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,8 +32,11 @@ class Services:
 
 
 @pytest.fixture(scope="session")
-def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
-    embedded = EmbeddedServices(tmp_path_factory.mktemp("embedded"))
+def services() -> Iterator[Services]:
+    # Outside pytest's basetemp: another pytest run rotating its numbered dirs must not delete a
+    # live server's data.
+    root = Path(tempfile.mkdtemp(prefix="treadle-test-"))
+    embedded = EmbeddedServices(root)
     server_url, redis_url = embedded.start(
         os.environ.get("DATABASE_URL", ""), os.environ.get("REDIS_URL", "")
     )
@@ -49,6 +54,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
         embedded.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -209,6 +209,50 @@ def test_forward_only_changes_no_state(engine: Engine) -> None:
     assert with_grad.metrics["loss:sum"] != forward.metrics["loss:sum"]  # the step did move
 
 
+def test_weight_decay_is_decoupled(engine: Engine) -> None:
+    adapter = new_adapter(engine)  # no grads: Adam's own update is 0, only the decay acts
+    before = engine.adapter_weights(adapter)
+    engine.optim_step(adapter, AdamSpec(learning_rate=0.1, weight_decay=0.5))
+    for name, after in engine.adapter_weights(adapter).items():
+        np.testing.assert_allclose(after, before[name] * (1 - 0.1 * 0.5), rtol=1e-6, err_msg=name)
+
+
+def test_grad_clipping_scales_the_global_norm(engine: Engine) -> None:
+    clipped, free = new_adapter(engine), new_adapter(engine)
+    # eps >> |g|: the first update is lr * g / eps, linear in the (clipped) gradient
+    linear = AdamSpec(learning_rate=1e6, eps=1e6)
+    engine.forward_backward(free, DATA, "cross_entropy")
+    norm = engine.optim_step(free, linear)["grad_norm:mean"]
+    engine.forward_backward(clipped, DATA, "cross_entropy")
+    reported = engine.optim_step(
+        clipped, AdamSpec(learning_rate=1e6, eps=1e6, grad_clip_norm=norm / 4)
+    )
+    assert reported["grad_norm:mean"] == pytest.approx(norm)  # the norm before clipping
+    start = engine.adapter_weights(new_adapter(engine))
+    for name, w_free in engine.adapter_weights(free).items():
+        w_clipped = engine.adapter_weights(clipped)[name]
+        np.testing.assert_allclose(
+            w_clipped - start[name], (w_free - start[name]) / 4, rtol=1e-4, atol=1e-7
+        )
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "config", "words"),
+    [
+        ("ppo", {"clip_low": 0.8}, ["clip_low", "clip_high_threshold"]),
+        ("ppo", {"clip_high_threshold": 20.0}, ["clip_high_threshold", "10"]),
+        ("cross_entropy", {"beta": 0.1}, ["beta", "none"]),
+    ],
+)
+def test_bad_loss_fn_config_is_rejected(
+    engine: Engine, loss_fn: str, config: dict[str, float], words: list[str]
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        engine.forward_backward(new_adapter(engine), DATA, loss_fn, config)
+    for word in words:
+        assert word in str(info.value)
+
+
 def rl_datum(engine: Engine, adapter: str, advantages: Sequence[float]) -> EngineDatum:
     base = DATA[0]
     lp = logprobs(engine, adapter, [base])[0]
@@ -372,11 +416,11 @@ def test_stop_string_ends_sequence(engine: Engine) -> None:
     text = tok.decode(free.sequences[0].tokens)
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip()
-    seq = engine.sample(
-        TINY, None, PROMPT, 1, SamplingSpec(max_tokens=6, temperature=0.0, stop=(stop,))
-    ).sequences[0]
-    assert seq.stop_reason == "stop" and stop in tok.decode(seq.tokens)
-    assert stop not in tok.decode(seq.tokens[:-1])
+    for spec_stop in ((stop,), stop):  # a bare string means one stop string
+        params = SamplingSpec(max_tokens=6, temperature=0.0, stop=spec_stop)
+        seq = engine.sample(TINY, None, PROMPT, 1, params).sequences[0]
+        assert seq.stop_reason == "stop" and stop in tok.decode(seq.tokens)
+        assert stop not in tok.decode(seq.tokens[:-1])
 
 
 def test_sample_logprobs_equal_forward_logprobs(engine: Engine) -> None:

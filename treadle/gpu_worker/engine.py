@@ -23,8 +23,9 @@ from treadle.gpu_worker import sampler
 from treadle.gpu_worker.lora import LoraHost, LoraWeights
 from treadle.gpu_worker.losses import (
     EngineDatum,
-    LossFn,
+    batch_loss,
     get_loss,
+    microbatches,
     resolve_config,
     validate_data,
 )
@@ -32,6 +33,7 @@ from treadle.gpu_worker.models import load_base_model
 from treadle.gpu_worker.sampler import SampledSequence, SampleResult, SamplingSpec
 from treadle.platform.catalog import BaseModelInfo, get_base_model
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
+from treadle.platform.tokenizers import load_tokenizer
 
 __all__ = [
     "AdamSpec",
@@ -43,9 +45,6 @@ __all__ = [
     "SampledSequence",
     "SamplingSpec",
 ]
-
-# Padded tokens per forward pass; bigger batches run as several passes whose grads add up.
-MICROBATCH_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -109,12 +108,20 @@ class Engine:
         self._bases: dict[str, _Base] = {}
         self._adapters: dict[str, _Adapter] = {}
         self._snapshots: dict[str, _Snapshot] = {}
+        self._tokenizers: dict[str, PreTrainedTokenizerFast] = {}
         self._lock = threading.RLock()
 
     # -- models and adapters ------------------------------------------------------------------
 
     def tokenizer(self, base_model: str) -> PreTrainedTokenizerFast:
-        return self._base(base_model).tokenizer
+        """`base_model`'s tokenizer, without loading the model itself."""
+        with self._lock:
+            if base_model in self._bases:
+                return self._bases[base_model].tokenizer
+            if base_model not in self._tokenizers:
+                get_base_model(base_model)  # ValidationError for unknown names
+                self._tokenizers[base_model] = load_tokenizer(base_model, self.cache_dir)
+            return self._tokenizers[base_model]
 
     def create_adapter(self, adapter_id: str, base_model: str, lora: LoraSpec) -> None:
         """A fresh adapter (B = 0: it starts as the base model) with its own Adam state."""
@@ -147,10 +154,14 @@ class Engine:
             del self._adapters[adapter_id]
 
     def adapter_weights(self, adapter_id: str) -> dict[str, np.ndarray]:
-        """The adapter's tensors as float32 arrays, under peft's names, in a fixed order."""
+        """A copy of the adapter's tensors as float32 arrays, under peft's names, in a fixed
+        order."""
         with self._lock:
             weights = self._adapter(adapter_id).weights
-            return {name: t.detach().float().cpu().numpy() for name, t in weights.tensors()}
+            return {
+                name: t.detach().to("cpu", torch.float32, copy=True).numpy()
+                for name, t in weights.tensors()
+            }
 
     def weight_hash(self, adapter_id: str) -> str:
         """sha256 (hex) over the adapter's names, shapes and float32 bytes, in a fixed order."""
@@ -187,8 +198,8 @@ class Engine:
             outputs: list[dict[str, np.ndarray]] = []
             total = 0.0
             with base.host.use(adapter.weights), torch.set_grad_enabled(not forward_only):
-                for chunk in _microbatches(arrays):
-                    chunk_outputs, chunk_loss = self._run_loss(base.model, chunk, loss, config)
+                for chunk in microbatches(arrays):
+                    chunk_outputs, chunk_loss = batch_loss(base.model, chunk, loss, config)
                     if not forward_only:
                         chunk_loss.backward()
                     outputs.extend(chunk_outputs)
@@ -198,46 +209,6 @@ class Engine:
             metrics={"loss:sum": total},
             train_tokens=sum(len(a["tokens"]) for a in arrays),
         )
-
-    def _run_loss(
-        self,
-        model: PreTrainedModel,
-        arrays: list[dict[str, np.ndarray]],
-        loss: LossFn,
-        config: Mapping[str, float],
-    ) -> tuple[list[dict[str, np.ndarray]], torch.Tensor]:
-        """One right-padded forward pass; loss computed in float32, padding masked out."""
-        lengths = [len(a["tokens"]) for a in arrays]
-        width = max(lengths)
-
-        def padded(name: str, dtype: torch.dtype) -> torch.Tensor:
-            out_B_T = torch.zeros(len(arrays), width, dtype=dtype)
-            for row, a in enumerate(arrays):
-                out_B_T[row, : lengths[row]] = torch.from_numpy(a[name])
-            return out_B_T.to(self.device)
-
-        tokens_B_T = padded("tokens", torch.long)
-        mask_B_T = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-        mask_B_T = mask_B_T.to(self.device)
-        targets_B_T = padded("target_tokens", torch.long)
-        inputs = {name: padded(name, torch.float32) for name in loss.float_inputs}
-        logits_B_T_V = model(
-            input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
-        ).logits.float()
-        picked_B_T = logits_B_T_V.gather(-1, targets_B_T[..., None])[..., 0]
-        logprobs_B_T = picked_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
-        elementwise_B_T = loss.compute(logprobs_B_T, inputs, config)
-        elementwise_B_T = torch.where(mask_B_T, elementwise_B_T, 0.0)
-        logprobs_np = logprobs_B_T.detach().cpu().numpy()
-        elementwise_np = elementwise_B_T.detach().cpu().numpy()
-        outputs = [
-            {
-                "logprobs": logprobs_np[row, :n].copy(),
-                "elementwise_loss": elementwise_np[row, :n].copy(),
-            }
-            for row, n in enumerate(lengths)
-        ]
-        return outputs, elementwise_B_T.sum()
 
     def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]:
         """Apply the grads accumulated since the last step with AdamW(`adam`), then zero them."""
@@ -324,7 +295,7 @@ class Engine:
                     num_samples,
                     params,
                     eos_token_id=base.tokenizer.eos_token_id,
-                    decode=base.tokenizer.decode,
+                    decode=lambda ids: str(base.tokenizer.decode(ids)),
                     want_prompt_logprobs=prompt_logprobs,
                 )
 
@@ -343,23 +314,6 @@ class Engine:
             return self._adapters[adapter_id]
         except KeyError:
             raise NotFoundError(f"adapter {adapter_id!r} not found; create it first") from None
-
-
-def _microbatches(arrays: list[dict[str, np.ndarray]]) -> list[list[dict[str, np.ndarray]]]:
-    """Consecutive groups whose padded size (rows x longest) stays within MICROBATCH_TOKENS."""
-    groups: list[list[dict[str, np.ndarray]]] = []
-    current: list[dict[str, np.ndarray]] = []
-    width = 0
-    for a in arrays:
-        n = len(a["tokens"])
-        if current and (len(current) + 1) * max(width, n) > MICROBATCH_TOKENS:
-            groups.append(current)
-            current, width = [], 0
-        current.append(a)
-        width = max(width, n)
-    if current:
-        groups.append(current)
-    return groups
 
 
 def _check_lora(lora: LoraSpec) -> None:

@@ -1,7 +1,8 @@
 """Training losses, by name, and the validation of the data they consume.
 
 Owns `EngineDatum`, the loss registry (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
-`dro`) and every check on a datum's tokens and `loss_fn_inputs`. A loss maps the target-token
+`dro`), every check on a datum's tokens and `loss_fn_inputs`, and the padded batch forward pass
+that turns validated data into logprobs and losses. A loss maps the target-token
 logprobs `lp` of the current model to an elementwise loss; the total is its sum over tokens and
 datums (normalising is the client's job). Formulas: /work/shared/reference/semantics.md.
 Must not import flask, sqlalchemy, celery or treadle.api.
@@ -14,10 +15,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import PreTrainedModel
 
 from treadle.platform.errors import ValidationError
 
-__all__ = ["LOSSES", "EngineDatum", "LossFn", "get_loss", "resolve_config", "validate_data"]
+__all__ = [
+    "LOSSES",
+    "MICROBATCH_TOKENS",
+    "EngineDatum",
+    "LossFn",
+    "batch_loss",
+    "get_loss",
+    "microbatches",
+    "resolve_config",
+    "validate_data",
+]
+
+# Padded tokens per forward pass; bigger batches run as several passes whose grads add up.
+MICROBATCH_TOKENS = 16384
 
 Tensor = torch.Tensor
 Compute = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
@@ -103,11 +118,15 @@ def resolve_config(loss: LossFn, config: Mapping[str, float] | None) -> dict[str
     if unknown:
         accepted = ", ".join(sorted(loss.config)) or "none"
         raise ValidationError(
-            f"loss_fn_config keys {unknown} are not used by {loss.name!r}; accepted keys: {accepted}"
+            f"loss_fn_config keys {unknown} are not used by {loss.name!r}; "
+            f"accepted keys: {accepted}"
         )
     resolved: dict[str, float] = {}
     for key, (default, low, high) in loss.config.items():
-        value = float(given.get(key, default))
+        try:
+            value = float(given.get(key, default))
+        except (TypeError, ValueError):
+            raise ValidationError(f"loss_fn_config {key} must be a number") from None
         if not low <= value <= high:
             raise ValidationError(
                 f"loss_fn_config {key}={value} is out of range for {loss.name!r}; "
@@ -183,3 +202,61 @@ def _token_array(i: int, name: str, values: object, vocab_size: int) -> np.ndarr
             f"ids must be in [0, {vocab_size})"
         )
     return tokens
+
+
+def microbatches(arrays: list[dict[str, np.ndarray]]) -> list[list[dict[str, np.ndarray]]]:
+    """Consecutive groups whose padded size (rows x longest) stays within MICROBATCH_TOKENS."""
+    groups: list[list[dict[str, np.ndarray]]] = []
+    current: list[dict[str, np.ndarray]] = []
+    width = 0
+    for a in arrays:
+        n = len(a["tokens"])
+        if current and (len(current) + 1) * max(width, n) > MICROBATCH_TOKENS:
+            groups.append(current)
+            current, width = [], 0
+        current.append(a)
+        width = max(width, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def batch_loss(
+    model: PreTrainedModel,
+    arrays: list[dict[str, np.ndarray]],
+    loss: LossFn,
+    config: Mapping[str, float],
+) -> tuple[list[dict[str, np.ndarray]], Tensor]:
+    """One right-padded forward pass of validated `arrays` with whatever weights `model` runs
+    now: per datum `logprobs` and `elementwise_loss` (float32 [T_i]) and the summed loss, a
+    tensor the caller may backpropagate. Logprobs and losses are computed in float32."""
+    device = next(model.parameters()).device
+    lengths = [len(a["tokens"]) for a in arrays]
+    width = max(lengths)
+
+    def padded(name: str, dtype: torch.dtype) -> Tensor:
+        out_B_T = torch.zeros(len(arrays), width, dtype=dtype)
+        for row, a in enumerate(arrays):
+            out_B_T[row, : lengths[row]] = torch.from_numpy(a[name])
+        return out_B_T.to(device)
+
+    mask_B_T = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(device)
+    tokens_B_T = padded("tokens", torch.long)
+    targets_B_T = padded("target_tokens", torch.long)
+    inputs = {name: padded(name, torch.float32) for name in loss.float_inputs}
+    logits_B_T_V = model(
+        input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
+    ).logits.float()
+    picked_B_T = logits_B_T_V.gather(-1, targets_B_T[..., None])[..., 0]
+    logprobs_B_T = picked_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
+    elementwise_B_T = torch.where(mask_B_T, loss.compute(logprobs_B_T, inputs, config), 0.0)
+    logprobs_np = logprobs_B_T.detach().cpu().numpy()
+    elementwise_np = elementwise_B_T.detach().cpu().numpy()
+    outputs = [
+        {
+            "logprobs": logprobs_np[row, :n].copy(),
+            "elementwise_loss": elementwise_np[row, :n].copy(),
+        }
+        for row, n in enumerate(lengths)
+    ]
+    return outputs, elementwise_B_T.sum()

@@ -42,7 +42,7 @@ def load_base_model(
         model: PreTrainedModel = build_tiny_debug(tokenizer)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir(info, cache_dir)), dtype=dtype)
-    model.to(device=device, dtype=dtype)
+    model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers wraps .to
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
@@ -70,7 +70,8 @@ def build_tiny_debug(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_DEBUG_SEED)
         model = LlamaForCausalLM(config)
-    return model.to(dtype=torch.float32)
+    model.float()
+    return model
 
 
 def model_dir(info: BaseModelInfo, cache_dir: Path) -> Path:
@@ -92,7 +93,7 @@ def _convert_gguf(folder: Path) -> None:
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
         )
         # The weights are already dequantised; forget the GGUF "quantisation" so they serialise.
-        model.hf_quantizer = None
+        setattr(model, "hf_quantizer", None)  # noqa: B010  # the attribute is typed as a module
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp))

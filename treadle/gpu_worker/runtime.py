@@ -30,7 +30,7 @@ STALL_SECONDS = 3.0
 
 def default_worker_id(config: PlatformConfig, index: int = 0) -> str:
     """Stable across restarts of one platform, distinct between platforms sharing a broker."""
-    platform = hashlib.sha256(f"{config.database_url}|{config.redis_url}".encode()).hexdigest()[:8]
+    platform = hashlib.sha256(config.database_url.encode()).hexdigest()[:8]
     return f"w{index}.{platform}@{socket.gethostname()}"
 
 
@@ -73,6 +73,8 @@ class LeaseKeeper(threading.Thread):
             sessions_core.heartbeat_worker(conn, me, {"pid": os.getpid()})
             for session_id in sessions_core.unleased_sessions(conn):
                 sessions_core.lease_session(conn, session_id, me, only_if_unleased=True)
+            for session_id in sessions_core.orphaned_sessions(conn, self.config.lease_ttl_seconds):
+                sessions_core.lease_session(conn, session_id, me, only_if_unleased=False)
             mine = sessions_core.sessions_leased_to(conn, me)
             stalled = operations.stale_pending(conn, mine, STALL_SECONDS)
         for session_id in mine:
@@ -117,3 +119,7 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         )
     finally:
         keeper.stopped.set()
+        keeper.join(timeout=10)
+        with host.db.begin() as conn:
+            released = sessions_core.release_leases(conn, worker_id)
+        log.info("%s: released %d session lease(s) on shutdown", worker_id, len(released))

@@ -26,13 +26,14 @@ __all__ = ["SampleResult", "SampledSequence", "SamplingSpec", "generate", "valid
 class SamplingSpec:
     """`temperature` 0 = greedy; `top_k` -1 (or 0) = off; `stop` None = stop at EOS, ints = stop
     token ids (kept in the output), strings = stop once the decoded continuation contains one,
-    () = never stop early; `seed` None = a fresh random seed."""
+    () = never stop early (a bare string is read as a one-string tuple); `seed` None = a fresh
+    random seed."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
-    stop: tuple[str, ...] | tuple[int, ...] | None = None
+    stop: tuple[str, ...] | tuple[int, ...] | str | None = None
     seed: int | None = None
 
 
@@ -89,7 +90,7 @@ def validate_sampling(
         raise ValidationError(f"top_k is {params.top_k}; use -1 for no limit or a positive k")
     if not 0.0 < params.top_p <= 1.0:
         raise ValidationError(f"top_p is {params.top_p}; it must be in (0, 1]")
-    stop = params.stop or ()
+    stop = _stop_tuple(params.stop) or ()
     if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) for s in stop)):
         raise ValidationError("stop must be all strings or all token ids, not a mix")
     if any(isinstance(s, str) and not s for s in stop):
@@ -168,9 +169,16 @@ def _cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def _stop_tuple(
+    stop: tuple[str, ...] | tuple[int, ...] | str | None,
+) -> tuple[str, ...] | tuple[int, ...] | None:
+    return (stop,) if isinstance(stop, str) else stop
+
+
 def _stop_rules(
-    stop: tuple[str, ...] | tuple[int, ...] | None, eos_token_id: int | None
+    stop: tuple[str, ...] | tuple[int, ...] | str | None, eos_token_id: int | None
 ) -> tuple[set[int], tuple[str, ...]]:
+    stop = _stop_tuple(stop)
     if stop is None:
         return ({eos_token_id} if eos_token_id is not None else set()), ()
     return {s for s in stop if isinstance(s, int)}, tuple(s for s in stop if isinstance(s, str))

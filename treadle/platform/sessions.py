@@ -348,3 +348,34 @@ def ensure_valid_name(name: str | None) -> str | None:
             "training_session_name must be 1-128 characters with no '/' or NUL, and not '.' or '..'"
         )
     return name
+
+
+def release_leases(conn: sa.Connection, worker_id: str) -> list[str]:
+    """A worker shutting down cleanly gives its sessions back, so another can take them at once."""
+    return list(
+        conn.execute(
+            sa.update(sessions)
+            .where(sessions.c.worker_id == worker_id)
+            .values(worker_id=None)
+            .returning(sessions.c.id)
+        ).scalars()
+    )
+
+
+def orphaned_sessions(conn: sa.Connection, ttl_seconds: float, limit: int = 50) -> list[str]:
+    """Active sessions leased to a worker that has not heartbeated within `ttl_seconds`."""
+    live = sa.select(workers.c.id).where(
+        workers.c.heartbeat_at > sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, ttl_seconds)
+    )
+    return list(
+        conn.execute(
+            sa.select(sessions.c.id)
+            .where(
+                sessions.c.worker_id.is_not(None),
+                sessions.c.worker_id.not_in(live),
+                sessions.c.status.in_(ACTIVE_STATUSES),
+            )
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).scalars()
+    )

@@ -51,7 +51,9 @@ def load_tokenizer(base_model: str, cache_dir: Path) -> PreTrainedTokenizerFast:
     """`base_model`'s tokenizer, loaded from the cache folder (built on first use)."""
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir(base_model, cache_dir)))
+    folder = tokenizer_dir(base_model, cache_dir)
+    tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return tokenizer
 
 
 def _build(folder: Path) -> None:

@@ -1,0 +1,1 @@
+"""Runnable cookbook: `python -m treadle.recipes.<name>`."""
