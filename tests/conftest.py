@@ -87,7 +87,16 @@ def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
     }
     log = open(data_dir / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "treadle.cli", "up", "--port", str(port), "--data-dir", str(data_dir)],
+        [
+            sys.executable,
+            "-m",
+            "treadle.cli",
+            "up",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -105,7 +114,9 @@ def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         log.close()
 
 
-def _wait_until_ready(proc: subprocess.Popen[bytes], base_url: str, services: Services, data_dir: Path) -> None:
+def _wait_until_ready(
+    proc: subprocess.Popen[bytes], base_url: str, services: Services, data_dir: Path
+) -> None:
     eng = db.connect(services.database_url, pool_size=1)
     deadline = time.monotonic() + 180
     try:

@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     migrate = sub.add_parser("migrate", help="upgrade the database schema to the latest version")
     migrate.add_argument("--data-dir", type=Path, default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("alembic").setLevel(logging.WARNING)
     config = PlatformConfig.from_env()
     if getattr(args, "data_dir", None) is not None:

@@ -21,7 +21,12 @@ def session_id(engine: sa.Engine) -> str:
         client = sessions.create_client_session(conn, principal, [], {})
         sid = sessions.training_session_id(client, 0)
         sessions.create_session(
-            conn, principal, session_id=sid, client_session_id=client, kind="training", base_model="treadle/tiny-debug"
+            conn,
+            principal,
+            session_id=sid,
+            client_session_id=client,
+            kind="training",
+            base_model="treadle/tiny-debug",
         )
     return sid
 
@@ -37,7 +42,9 @@ def test_events_are_numbered_per_session(engine: sa.Engine, session_id: str) -> 
 @pytest.mark.parametrize(
     "statement", ["UPDATE events SET type = 'X'", "DELETE FROM events", "TRUNCATE events"]
 )
-def test_database_refuses_changes_to_events(engine: sa.Engine, session_id: str, statement: str) -> None:
+def test_database_refuses_changes_to_events(
+    engine: sa.Engine, session_id: str, statement: str
+) -> None:
     with pytest.raises(sa.exc.DBAPIError, match="append-only"), engine.begin() as conn:
         conn.execute(sa.text(statement))
     with engine.connect() as conn:

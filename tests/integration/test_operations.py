@@ -62,7 +62,9 @@ def test_fifty_concurrent_operations_run_in_seq_order_exactly_once(platform, eng
     assert completed == list(range(0, 51))  # in seq order, each exactly once
     assert not [e for e in stream if e.type == "OperationFailed"]
     train = [e.data["tokens"]["train"] for e in stream if e.type == "OperationCompleted"]
-    assert train[1] == 4 and all(e.data["duration_ms"] >= 0 for e in stream if e.type == "OperationCompleted")
+    assert train[1] == 4 and all(
+        e.data["duration_ms"] >= 0 for e in stream if e.type == "OperationCompleted"
+    )
 
 
 def test_resent_seq_returns_same_request_and_runs_once(platform, engine) -> None:
@@ -98,7 +100,9 @@ def test_out_of_order_arrival_waits_for_the_gap(platform, engine) -> None:
     assert status == "pending"
     first = client.forward_backward(model_id, 1, [datum([3, 4, 5])]).json()["request_id"]
     client.result(second)
-    completed = [e.data["seq_id"] for e in _op_events(engine, model_id) if e.type == "OperationCompleted"]
+    completed = [
+        e.data["seq_id"] for e in _op_events(engine, model_id) if e.type == "OperationCompleted"
+    ]
     assert completed == [0, 1, 2]
     assert client.result(first).metrics["loss:sum"] > 0
 
@@ -123,16 +127,28 @@ def test_another_tenants_session_answers_404(platform) -> None:
 
 def test_bad_requests_get_clear_4xx(platform) -> None:
     client = WireClient(platform.base_url, platform.admin_key)
-    assert client.http.post("/api/v1/get_info", headers={"X-API-Key": "tml-wrong-key-xyz"}).status_code == 401
-    bad_model = client.post("create_model", {"session_id": "x", "model_seq_id": 0, "base_model": "nope/nope"})
-    assert bad_model.status_code == 400 and "treadle/tiny-debug" in bad_model.json()["error"]["message"]
+    assert (
+        client.http.post("/api/v1/get_info", headers={"X-API-Key": "tml-wrong-key-xyz"}).status_code
+        == 401
+    )
+    bad_model = client.post(
+        "create_model", {"session_id": "x", "model_seq_id": 0, "base_model": "nope/nope"}
+    )
+    assert (
+        bad_model.status_code == 400
+        and "treadle/tiny-debug" in bad_model.json()["error"]["message"]
+    )
     model_id = client.create_model()
     garbage = client.http.post(
-        "/api/v1/forward_backward", content=b"\xff\xff\xff", headers={"Content-Type": "application/x-protobuf"}
+        "/api/v1/forward_backward",
+        content=b"\xff\xff\xff",
+        headers={"Content-Type": "application/x-protobuf"},
     )
     assert garbage.status_code == 400
     out_of_vocab = client.forward_backward(model_id, 1, [datum([1, 2, 10**6])])
     assert out_of_vocab.status_code == 400 and "datum 0" in out_of_vocab.json()["error"]["message"]
-    bad_lr = client.post("optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": -1}})
+    bad_lr = client.post(
+        "optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": -1}}
+    )
     assert bad_lr.status_code == 400 and "learning_rate" in bad_lr.json()["error"]["message"]
     assert client.post("optim_step", ["not", "an", "object"]).status_code == 400

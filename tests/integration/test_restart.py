@@ -27,16 +27,20 @@ def test_restart_on_same_data_dir_keeps_history_and_session(tmp_path: Path) -> N
             model_id = client.create_model()
             losses = []
             for step in range(2):
-                fb = client.forward_backward(model_id, 2 * step + 1, [datum([7, 8, 9, 10, 11])]).json()
+                fb = client.forward_backward(
+                    model_id, 2 * step + 1, [datum([7, 8, 9, 10, 11])]
+                ).json()
                 client.optim_step(model_id, 2 * step + 2, lr=1e-2)
                 losses.append(client.result(fb["request_id"]).metrics["loss:sum"])
             before = httpx.get(
-                f"{first.base_url}/api/v1/treadle/sessions/{model_id}/events", headers={"X-API-Key": key}
+                f"{first.base_url}/api/v1/treadle/sessions/{model_id}/events",
+                headers={"X-API-Key": key},
             ).json()["events"]
         with LocalPlatform(data_dir, port, key) as second:
             client = WireClient(second.base_url, key)
             after = httpx.get(
-                f"{second.base_url}/api/v1/treadle/sessions/{model_id}/events", headers={"X-API-Key": key}
+                f"{second.base_url}/api/v1/treadle/sessions/{model_id}/events",
+                headers={"X-API-Key": key},
             ).json()["events"]
             assert after[: len(before)] == before
             # The restarted worker rebuilds the adapter from the log and goes on training.

@@ -39,7 +39,9 @@ def test_treadle_sdk_loop_lowers_loss_and_samples(platform) -> None:
 
         sc = tc.save_weights_and_get_sampling_client()
         res = sc.sample(
-            [1, 2, 3], num_samples=4, sampling_params=treadle.SamplingParams(max_tokens=16, temperature=0.7)
+            [1, 2, 3],
+            num_samples=4,
+            sampling_params=treadle.SamplingParams(max_tokens=16, temperature=0.7),
         ).result()
         assert len(res.sequences) == 4
         for seq in res.sequences:
@@ -61,7 +63,10 @@ def test_plain_tinker_sdk_loop_lowers_loss(platform) -> None:
     tc = svc.create_lora_training_client("treadle/tiny-debug", rank=8).result()
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(TEXT_TOKENS[:-1]),
-        loss_fn_inputs={"target_tokens": TEXT_TOKENS[1:], "weights": [1.0] * (len(TEXT_TOKENS) - 1)},
+        loss_fn_inputs={
+            "target_tokens": TEXT_TOKENS[1:],
+            "weights": [1.0] * (len(TEXT_TOKENS) - 1),
+        },
     )
     losses = []
     for _ in range(10):
@@ -76,7 +81,9 @@ def test_plain_tinker_sdk_loop_lowers_loss(platform) -> None:
     assert logprobs[0] is None and len(logprobs) == len(TEXT_TOKENS)
     base = svc.create_sampling_client(base_model="treadle/tiny-debug").result()
     res = base.sample(
-        types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=4, temperature=0.0)
+        types.ModelInput.from_ints([1, 2, 3]),
+        2,
+        types.SamplingParams(max_tokens=4, temperature=0.0),
     ).result()
     assert res.sequences[0].tokens == res.sequences[1].tokens  # greedy
     svc.close("success").result()

@@ -28,7 +28,9 @@ class WireClient:
         self.result(future["request_id"])
         return str(future["model_id"])
 
-    def forward_backward(self, model_id: str, seq_id: int, datums: list[types.Datum]) -> httpx.Response:
+    def forward_backward(
+        self, model_id: str, seq_id: int, datums: list[types.Datum]
+    ) -> httpx.Response:
         request = types.ForwardBackwardRequest(
             model_id=model_id,
             seq_id=seq_id,

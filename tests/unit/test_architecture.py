@@ -13,7 +13,15 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[2] / "treadle"
 
 FORBIDDEN = {
-    "client": ("flask", "sqlalchemy", "celery", "torch", "treadle.platform", "treadle.api", "treadle.gpu_worker"),
+    "client": (
+        "flask",
+        "sqlalchemy",
+        "celery",
+        "torch",
+        "treadle.platform",
+        "treadle.api",
+        "treadle.gpu_worker",
+    ),
     "platform": ("treadle.api", "treadle.gpu_worker", "flask", "torch"),
     "api": ("torch", "treadle.gpu_worker", "transformers", "peft"),
     "gpu_worker": ("treadle.api", "flask"),

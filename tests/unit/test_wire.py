@@ -33,7 +33,11 @@ def test_sdk_request_decodes_to_plain_payload() -> None:
     assert payload["loss_fn"] == "ppo" and payload["loss_fn_config"] == {"clip_low_threshold": 0.8}
     datum = payload["data"][0]
     assert datum["tokens"] == [1, 2, 3]
-    assert datum["loss_fn_inputs"]["target_tokens"] == {"dtype": "int64", "shape": [3], "data": [2, 3, 4]}
+    assert datum["loss_fn_inputs"]["target_tokens"] == {
+        "dtype": "int64",
+        "shape": [3],
+        "data": [2, 3, 4],
+    }
     assert datum["loss_fn_inputs"]["weights"]["data"] == [0.0, 1.0, 0.5]
 
 
@@ -50,7 +54,9 @@ def test_forward_backward_output_round_trips_through_the_sdk_decoder() -> None:
         ],
         "metrics": {"loss:sum": 6.75},
     }
-    out = response_conv.deserialize_forward_backward_output(wire.encode_forward_backward_output(result))
+    out = response_conv.deserialize_forward_backward_output(
+        wire.encode_forward_backward_output(result)
+    )
     assert out.metrics == {"loss:sum": 6.75}
     assert out.loss_fn_outputs[0]["logprobs"].tolist() == [-1.0, -2.0, -0.5]
     assert out.loss_fn_outputs[1]["logprobs"].tolist() == [-3.25]

@@ -66,7 +66,13 @@ def create_app(config: PlatformConfig) -> Flask:
         with svc.db.begin() as conn:
             tenants.seed_key(conn, tenants.DEFAULT_TENANT, config.admin_key, "admin")
 
-    for module in (routes_sessions, routes_training, routes_sampling, routes_futures, routes_treadle):
+    for module in (
+        routes_sessions,
+        routes_training,
+        routes_sampling,
+        routes_futures,
+        routes_treadle,
+    ):
         app.register_blueprint(module.bp)
 
     @app.before_request
@@ -85,7 +91,9 @@ def create_app(config: PlatformConfig) -> Flask:
         message = exc.description or exc.name
         if exc.code == 404:
             message = f"no route {request.method} {request.path}; see docs/api.md for the routes"
-        return jsonify(error={"code": exc.name.lower().replace(" ", "_"), "message": message}), exc.code
+        return jsonify(
+            error={"code": exc.name.lower().replace(" ", "_"), "message": message}
+        ), exc.code
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception) -> Any:

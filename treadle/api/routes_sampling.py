@@ -72,13 +72,17 @@ def asample() -> Any:
             "asample needs sampling_session_id; create one with create_sampling_session"
         )
     if body.topk_prompt_logprobs or body.topk_sample_logprobs or body.prompt_alt_tokens_k:
-        raise ValidationError("top-k logprobs and prompt_alt_tokens are not supported yet; set them to 0")
+        raise ValidationError(
+            "top-k logprobs and prompt_alt_tokens are not supported yet; set them to 0"
+        )
     if body.prompt_logprobs_last_n is not None:
         raise ValidationError("prompt_logprobs_last_n is not supported yet; omit it")
     tokens: list[int] = []
     for chunk in body.prompt.chunks:
         if chunk.type != "encoded_text":
-            raise ValidationError(f"prompt has a {chunk.type} chunk; only encoded_text is supported")
+            raise ValidationError(
+                f"prompt has a {chunk.type} chunk; only encoded_text is supported"
+            )
         tokens.extend(chunk.tokens)
     params = body.sampling_params
     max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS

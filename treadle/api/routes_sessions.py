@@ -70,7 +70,9 @@ def session_heartbeat() -> Any:
     with services().db.begin() as conn:
         status = sessions_core.heartbeat_client_session(conn, principal(), body.session_id)
     if status != "Running":
-        return jsonify(error={"code": "gone", "message": f"session {body.session_id} is {status}"}), 410
+        return jsonify(
+            error={"code": "gone", "message": f"session {body.session_id} is {status}"}
+        ), 410
     return jsonify(type="session_heartbeat")
 
 

@@ -84,7 +84,9 @@ def get_info() -> Any:
 @bp.post("/api/v1/forward_backward")
 def forward_backward() -> Any:
     if request.headers.get("Content-Encoding", "").lower() == "zstd":
-        raise ValidationError("zstd-compressed forward_backward bodies are not accepted; send it plain")
+        raise ValidationError(
+            "zstd-compressed forward_backward bodies are not accepted; send it plain"
+        )
     decoded = decode_forward_backward(request.get_data())
     model_id, payload = decoded["model_id"], decoded["payload"]
     if decoded["seq_id"] < 1:
@@ -127,7 +129,9 @@ def save_weights_for_sampler() -> Any:
             base_model=session.base_model,
             snapshot_id=sampler,
         )
-    admission = submit(body.model_id, body.seq_id, "save_weights_for_sampler", {"sampler_id": sampler})
+    admission = submit(
+        body.model_id, body.seq_id, "save_weights_for_sampler", {"sampler_id": sampler}
+    )
     return jsonify(request_id=admission.request_id, model_id=body.model_id)
 
 

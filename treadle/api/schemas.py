@@ -45,7 +45,7 @@ class CreateModel(Body):
     model_seq_id: int = Field(ge=0)
     base_model: str
     user_metadata: dict[str, Any] | None = None
-    lora_config: LoraConfig = Field(default_factory=LoraConfig)
+    lora_config: LoraConfig = Field(default_factory=lambda: LoraConfig())
     training_session_name: str | None = None
 
 
@@ -65,7 +65,7 @@ class AdamParams(Body):
 class OptimStep(Body):
     model_id: str
     seq_id: int = Field(ge=1)
-    adam_params: AdamParams = Field(default_factory=AdamParams)
+    adam_params: AdamParams = Field(default_factory=lambda: AdamParams())
     optimizer_params: dict[str, Any] | None = None
 
 
@@ -109,7 +109,7 @@ class Sample(Body):
     seq_id: int = Field(0, ge=0)
     num_samples: int = Field(1, ge=1, le=128)
     prompt: ModelInput
-    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    sampling_params: SamplingParams = Field(default_factory=lambda: SamplingParams())
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(0, ge=0)
     topk_sample_logprobs: int = Field(0, ge=0)

@@ -28,7 +28,9 @@ class SamplingClient:
         print(res.result().sequences[0].tokens)
     """
 
-    def __init__(self, inner: tinker.SamplingClient, *, base_url: str, api_key: str, base_model: str):
+    def __init__(
+        self, inner: tinker.SamplingClient, *, base_url: str, api_key: str, base_model: str
+    ):
         self._inner = inner
         self._base_url = base_url
         self._api_key = api_key

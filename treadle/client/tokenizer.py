@@ -18,7 +18,9 @@ import httpx
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TREADLE_CACHE_DIR") or Path.home() / ".cache" / "treadle") / "client"
+    return (
+        Path(os.environ.get("TREADLE_CACHE_DIR") or Path.home() / ".cache" / "treadle") / "client"
+    )
 
 
 def fetch_tokenizer(base_url: str, api_key: str, base_model: str) -> Any:

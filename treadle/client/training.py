@@ -62,7 +62,7 @@ class TrainingClient:
         Raises:
             tinker.RequestFailedError (from .result()) when the server rejects the operation.
         """
-        return self._inner.forward_backward(list(data), loss_fn, loss_fn_config)
+        return self._inner.forward_backward(list(data), loss_fn, loss_fn_config)  # type: ignore[arg-type]
 
     def forward(
         self,
@@ -71,7 +71,7 @@ class TrainingClient:
         loss_fn_config: dict[str, float] | None = None,
     ) -> Any:
         """Like forward_backward, with no gradient and no state change."""
-        return self._inner.forward(list(data), loss_fn, loss_fn_config)
+        return self._inner.forward(list(data), loss_fn, loss_fn_config)  # type: ignore[arg-type]
 
     def optim_step(self, adam_params: types.AdamParams | None = None) -> Any:
         """Apply the accumulated gradients with Adam; returns a future of OptimStepResponse."""

@@ -190,7 +190,9 @@ class SessionHost:
     ) -> tuple[dict[str, Any], dict[str, int]]:
         params = dict(payload["params"])
         stop = params.pop("stop")
-        spec = SamplingSpec(**params, stop=None if stop is None else tuple(stop))  # a list on the wire
+        spec = SamplingSpec(
+            **params, stop=None if stop is None else tuple(stop)
+        )  # a list on the wire
         snapshot = payload.get("snapshot_id")
         out = self.engine.sample(
             session.base_model,

@@ -83,7 +83,10 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited; see {self.data_dir / 'redis.log'}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), 0.2),
+            ):
                 log.info("embedded Redis on port %d", self.port)
                 return self.url
             time.sleep(0.05)

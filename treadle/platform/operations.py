@@ -130,7 +130,9 @@ def admit(
     return Admission(request_id, session_id, is_new=True)
 
 
-def get_operation(conn: sa.Connection, principal: Principal | None, request_id: str) -> OperationRow:
+def get_operation(
+    conn: sa.Connection, principal: Principal | None, request_id: str
+) -> OperationRow:
     query = sa.select(operations).where(operations.c.request_id == request_id)
     if principal is not None:
         query = query.where(operations.c.tenant_id == principal.tenant_id)
@@ -151,7 +153,9 @@ def pending_training_op(conn: sa.Connection, session_id: str, seq_id: int) -> Op
     return None if row is None else _row(row)
 
 
-def completed_training_ops(conn: sa.Connection, session_id: str, up_to_seq: int) -> list[OperationRow]:
+def completed_training_ops(
+    conn: sa.Connection, session_id: str, up_to_seq: int
+) -> list[OperationRow]:
     rows = conn.execute(
         sa.select(operations)
         .where(
@@ -199,14 +203,20 @@ def settle(
             .where(sessions.c.id == op.session_id)
             .values(
                 last_applied_seq=op.seq_id,
-                status=sa.case((sessions.c.status == "Created", "Running"), else_=sessions.c.status),
+                status=sa.case(
+                    (sessions.c.status == "Created", "Running"), else_=sessions.c.status
+                ),
             )
         )
     data = {"request_id": op.request_id, "seq_id": op.seq_id, "type": op.type, **usage}
     if error is None:
-        events.append(conn, op.session_id, op.tenant_id, "OperationCompleted", {**data, "result": result})
+        events.append(
+            conn, op.session_id, op.tenant_id, "OperationCompleted", {**data, "result": result}
+        )
     else:
-        events.append(conn, op.session_id, op.tenant_id, "OperationFailed", {**data, "error": error})
+        events.append(
+            conn, op.session_id, op.tenant_id, "OperationFailed", {**data, "error": error}
+        )
     conn.execute(
         sa.update(operations)
         .where(operations.c.request_id == op.request_id)
@@ -253,7 +263,9 @@ def oldest_pending_training_op(conn: sa.Connection, session_id: str) -> tuple[in
     return None if row is None else (int(row.seq_id), float(row.age))
 
 
-def stale_pending(conn: sa.Connection, session_ids: list[str], min_age: float) -> list[tuple[str, str]]:
+def stale_pending(
+    conn: sa.Connection, session_ids: list[str], min_age: float
+) -> list[tuple[str, str]]:
     """(session id, request id) of pending operations older than `min_age` seconds."""
     if not session_ids:
         return []
@@ -262,14 +274,17 @@ def stale_pending(conn: sa.Connection, session_ids: list[str], min_age: float) -
         .where(
             operations.c.session_id.in_(session_ids),
             operations.c.status == "pending",
-            operations.c.created_at < sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, min_age),
+            operations.c.created_at
+            < sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, min_age),
         )
         .order_by(operations.c.session_id, operations.c.seq_id)
     )
     return [(r.session_id, r.request_id) for r in rows]
 
 
-def skip_gap(conn: sa.Connection, session_id: str, worker_id: str, lease_epoch: int, to_seq: int) -> bool:
+def skip_gap(
+    conn: sa.Connection, session_id: str, worker_id: str, lease_epoch: int, to_seq: int
+) -> bool:
     """Give up waiting for seq_ids that never arrived (a request the client failed to deliver)."""
     session = get_session(conn, None, session_id, for_update=True)
     if session.worker_id != worker_id or session.lease_epoch != lease_epoch:

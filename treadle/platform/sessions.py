@@ -225,9 +225,7 @@ def stop_session(conn: sa.Connection, principal: Principal, session_id: str, rea
     session = get_session(conn, principal, session_id, for_update=True)
     if not session.is_active:
         return False
-    conn.execute(
-        sa.update(sessions).where(sessions.c.id == session_id).values(status="Stopped")
-    )
+    conn.execute(sa.update(sessions).where(sessions.c.id == session_id).values(status="Stopped"))
     events.append(
         conn,
         session_id,
@@ -274,7 +272,10 @@ def live_workers(conn: sa.Connection, ttl_seconds: float) -> list[str]:
     return list(
         conn.execute(
             sa.select(workers.c.id)
-            .where(workers.c.heartbeat_at > sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, ttl_seconds))
+            .where(
+                workers.c.heartbeat_at
+                > sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, ttl_seconds)
+            )
             .order_by(workers.c.id)
         ).scalars()
     )
@@ -288,7 +289,7 @@ def place_session(conn: sa.Connection, session_id: str, ttl_seconds: float) -> s
     live = live_workers(conn, ttl_seconds)
     if not live:
         return None
-    load = dict(
+    load: dict[str, int] = dict(
         conn.execute(
             sa.select(sessions.c.worker_id, sa.func.count())
             .where(sessions.c.worker_id.in_(live), sessions.c.status.in_(ACTIVE_STATUSES))
@@ -314,7 +315,11 @@ def lease_session(
     if row is None:
         return False
     events.append(
-        conn, session_id, row.tenant_id, "SessionLeased", {"worker_id": worker_id, "epoch": row.lease_epoch}
+        conn,
+        session_id,
+        row.tenant_id,
+        "SessionLeased",
+        {"worker_id": worker_id, "epoch": row.lease_epoch},
     )
     return True
 
@@ -365,7 +370,8 @@ def release_leases(conn: sa.Connection, worker_id: str) -> list[str]:
 def orphaned_sessions(conn: sa.Connection, ttl_seconds: float, limit: int = 50) -> list[str]:
     """Active sessions leased to a worker that has not heartbeated within `ttl_seconds`."""
     live = sa.select(workers.c.id).where(
-        workers.c.heartbeat_at > sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, ttl_seconds)
+        workers.c.heartbeat_at
+        > sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, ttl_seconds)
     )
     return list(
         conn.execute(

@@ -71,7 +71,9 @@ def _validate_datum(
                 f"it must be 1-D with {n} entries"
             )
     if "target_tokens" in inputs:
-        bad = next((t for t in inputs["target_tokens"]["data"] if not 0 <= t < model.vocab_size), None)
+        bad = next(
+            (t for t in inputs["target_tokens"]["data"] if not 0 <= t < model.vocab_size), None
+        )
         if bad is not None:
             raise ValidationError(
                 f"datum {i}: target_tokens has token id {int(bad)}, outside the vocabulary "

@@ -32,7 +32,8 @@ FACTS = [
 
 def render(tokenizer, question: str) -> list[int]:  # type: ignore[no-untyped-def]
     messages = [{"role": "user", "content": question}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def make_datum(tokenizer, question: str, answer: str) -> treadle.Datum:  # type: ignore[no-untyped-def]
@@ -79,7 +80,9 @@ def main() -> int:
                 tc.optim_step(treadle.AdamParams(learning_rate=2e-3))
                 loss = fb.result().metrics["loss:sum"] / n_tokens
                 losses.append(loss)
-                print(f"[demo] step {step + 1:2d}/{STEPS}  loss/token {loss:.3f}  ({time.monotonic() - started:.0f} s)")
+                print(
+                    f"[demo] step {step + 1:2d}/{STEPS}  loss/token {loss:.3f}  ({time.monotonic() - started:.0f} s)"
+                )
             after = answer(tc.save_weights_and_get_sampling_client(), tokenizer, probe)
             print(f"[demo] after:  Q: {probe}\n[demo]         A: {after}")
         svc.close()
