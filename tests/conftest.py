@@ -96,6 +96,8 @@ def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
             str(port),
             "--data-dir",
             str(data_dir),
+            "--workers",
+            "2",
         ],
         env=env,
         stdout=log,
@@ -129,7 +131,7 @@ def _wait_until_ready(
                 healthy = False
             if healthy:
                 with eng.connect() as conn:
-                    if conn.execute(sa.text("SELECT count(*) FROM workers")).scalar_one():
+                    if conn.execute(sa.text("SELECT count(*) FROM workers")).scalar_one() >= 2:
                         return
             time.sleep(0.5)
         logs = "\n".join(p.read_text() for p in sorted(data_dir.rglob("*.log")))

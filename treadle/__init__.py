@@ -1,19 +1,13 @@
 """Treadle: you write the loop; Treadle turns the wheel.
 
-This package's top level is the SDK's public names only; the client needs no server dependency.
+The top level holds the SDK's public names only, loaded on first use, so server processes that
+import `treadle.platform` or `treadle.api` do not load the client. The client needs no server
+dependency.
 """
 
-from treadle.client import (
-    AdamParams,
-    ConfigurationError,
-    Datum,
-    ModelInput,
-    SamplingClient,
-    SamplingParams,
-    ServiceClient,
-    TensorData,
-    TrainingClient,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "AdamParams",
@@ -26,3 +20,24 @@ __all__ = [
     "TensorData",
     "TrainingClient",
 ]
+
+if TYPE_CHECKING:
+    from treadle.client import (
+        AdamParams,
+        ConfigurationError,
+        Datum,
+        ModelInput,
+        SamplingClient,
+        SamplingParams,
+        ServiceClient,
+        TensorData,
+        TrainingClient,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        import treadle.client
+
+        return getattr(treadle.client, name)
+    raise AttributeError(f"module 'treadle' has no attribute {name!r}")
