@@ -29,12 +29,19 @@ class WireClient:
         return str(future["model_id"])
 
     def forward_backward(
-        self, model_id: str, seq_id: int, datums: list[types.Datum]
+        self,
+        model_id: str,
+        seq_id: int,
+        datums: list[types.Datum],
+        loss_fn: str = "cross_entropy",
+        config: dict[str, float] | None = None,
     ) -> httpx.Response:
         request = types.ForwardBackwardRequest(
             model_id=model_id,
             seq_id=seq_id,
-            forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn="cross_entropy"),
+            forward_backward_input=types.ForwardBackwardInput(
+                data=datums, loss_fn=loss_fn, loss_fn_config=config
+            ),
         )
         body = forward_backward_request_to_proto(request).SerializeToString()
         return self.http.post(

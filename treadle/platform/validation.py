@@ -12,34 +12,22 @@ from typing import Any
 
 from treadle.platform.catalog import BaseModelInfo
 from treadle.platform.errors import ValidationError
+from treadle.platform.losses import get_loss_spec, resolve_config
 
-# loss name -> (required loss_fn_inputs, accepted loss_fn_config keys)
-LOSSES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "cross_entropy": (("target_tokens", "weights"), ()),
-}
 MAX_DATUMS = 4096
 
 
-def validate_forward_backward(payload: Mapping[str, Any], model: BaseModelInfo) -> None:
-    loss_fn = payload["loss_fn"]
-    if loss_fn not in LOSSES:
-        raise ValidationError(
-            f"unknown loss_fn {loss_fn!r}; use one of: {', '.join(sorted(LOSSES))}"
-        )
-    required, config_keys = LOSSES[loss_fn]
-    unknown = sorted(set(payload["loss_fn_config"]) - set(config_keys))
-    if unknown:
-        accepted = ", ".join(config_keys) or "none"
-        raise ValidationError(
-            f"loss_fn_config has unknown keys {unknown} for {loss_fn}; accepted keys: {accepted}"
-        )
+def validate_forward_backward(payload: dict[str, Any], model: BaseModelInfo) -> None:
+    """Check a decoded forward_backward payload; fills in the loss's config defaults."""
+    spec = get_loss_spec(payload["loss_fn"])
+    payload["loss_fn_config"].update(resolve_config(spec, payload["loss_fn_config"]))
     data = payload["data"]
     if not data:
         raise ValidationError("forward_backward needs at least one datum")
     if len(data) > MAX_DATUMS:
         raise ValidationError(f"{len(data)} datums in one request; send at most {MAX_DATUMS}")
     for i, datum in enumerate(data):
-        _validate_datum(i, datum, required, model)
+        _validate_datum(i, datum, spec.inputs, model)
 
 
 def _validate_datum(
@@ -65,6 +53,9 @@ def _validate_datum(
         if name not in inputs:
             raise ValidationError(f"datum {i}: loss_fn_inputs is missing {name!r}")
         tensor = inputs[name]
+        expected = "int64" if name == "target_tokens" else "float32"
+        if tensor["dtype"] != expected:
+            raise ValidationError(f"datum {i}: {name} must be {expected}, got {tensor['dtype']}")
         if tensor["shape"] != [n]:
             raise ValidationError(
                 f"datum {i}: {name} has shape {tensor['shape']} but model_input has {n} tokens; "
