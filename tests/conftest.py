@@ -138,3 +138,15 @@ def _wait_until_ready(
         raise RuntimeError("the platform did not become ready in 180 s:\n" + logs)
     finally:
         eng.dispose()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run where CUDA is present and are deselected (not skipped) elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]

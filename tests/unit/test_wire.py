@@ -73,3 +73,14 @@ def test_sample_response_round_trips_with_prompt_logprobs() -> None:
     assert out.sequences[0].stop_reason == "length"
     assert out.prompt_logprobs[0] is None  # NaN on the wire means "not computed"
     assert out.prompt_logprobs[1] == -1.5
+
+
+def test_topk_prompt_logprobs_pad_missing_slots() -> None:
+    result = {
+        "sequences": [{"tokens": [5], "logprobs": [-0.5], "stop_reason": "stop"}],
+        "prompt_logprobs": [None, -1.0],
+        "topk_prompt_logprobs": [[], [[7, -0.25], [3, -1.0]]],
+    }
+    out = response_conv.deserialize_sample_response(wire.encode_sample_response(result))
+    assert out.topk_prompt_logprobs[0] in (None, [])
+    assert out.topk_prompt_logprobs[1] == [(7, -0.25), (3, -1.0)]

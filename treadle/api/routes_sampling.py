@@ -20,6 +20,7 @@ from treadle.platform.errors import ValidationError
 bp = Blueprint("sampling", __name__)
 
 DEFAULT_MAX_TOKENS = 16
+MAX_TOPK = 20
 
 
 @bp.post("/api/v1/create_sampling_session")
@@ -71,10 +72,13 @@ def asample() -> Any:
         raise ValidationError(
             "asample needs sampling_session_id; create one with create_sampling_session"
         )
-    if body.topk_prompt_logprobs or body.topk_sample_logprobs or body.prompt_alt_tokens_k:
+    if body.topk_sample_logprobs or body.prompt_alt_tokens_k:
         raise ValidationError(
-            "top-k logprobs and prompt_alt_tokens are not supported yet; set them to 0"
+            "topk_sample_logprobs and prompt_alt_tokens_k are not supported; set them to 0 "
+            "(per-token sample logprobs are always returned)"
         )
+    if body.topk_prompt_logprobs > MAX_TOPK:
+        raise ValidationError(f"topk_prompt_logprobs must be at most {MAX_TOPK}")
     if body.prompt_logprobs_last_n is not None:
         raise ValidationError("prompt_logprobs_last_n is not supported yet; omit it")
     tokens: list[int] = []
@@ -94,7 +98,8 @@ def asample() -> Any:
         "prompt": tokens,
         "snapshot_id": sampler.snapshot_id,
         "num_samples": body.num_samples,
-        "prompt_logprobs": body.prompt_logprobs,
+        "prompt_logprobs": body.prompt_logprobs or body.topk_prompt_logprobs > 0,
+        "topk_prompt_logprobs": body.topk_prompt_logprobs,
         "params": {
             "max_tokens": max_tokens,
             "temperature": params.temperature,

@@ -147,4 +147,21 @@ def encode_sample_response(result: Mapping[str, Any]) -> bytes:
     if prompt_logprobs is not None:
         values = [np.nan if v is None else v for v in prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    topk = result.get("topk_prompt_logprobs")
+    if topk:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(topk))
     return msg.SerializeToString()
+
+
+def _topk(rows: list[list[list[float]]]) -> pb.TopkLogprobs:
+    """Per position [[token, logprob], ...] -> [length, k] arrays, empty slots (0, -99999)."""
+    k = max((len(r) for r in rows), default=0)
+    token_ids = np.zeros((len(rows), k), dtype=np.int32)
+    logprobs = np.full((len(rows), k), -99999.0, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row):
+            token_ids[i, j] = int(token)
+            logprobs[i, j] = logprob
+    return pb.TopkLogprobs(
+        token_ids=token_ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows)
+    )

@@ -201,6 +201,7 @@ class SessionHost:
             payload["num_samples"],
             spec,
             prompt_logprobs=payload["prompt_logprobs"],
+            topk_prompt_logprobs=payload.get("topk_prompt_logprobs", 0),
         )
         result = {
             "sequences": [
@@ -208,6 +209,7 @@ class SessionHost:
                 for s in out.sequences
             ],
             "prompt_logprobs": out.prompt_logprobs,
+            "topk_prompt_logprobs": out.topk_prompt_logprobs,
         }
         return result, {"prefill": out.prefill_tokens, "sample": out.sample_tokens, "train": 0}
 
