@@ -32,6 +32,16 @@ class PlatformConfig:
     worker_heartbeat_seconds: float = 2.0
     lease_ttl_seconds: float = 30.0
     device: str | None = None
+    s3_endpoint: str = ""
+    s3_bucket: str = "treadle"
+    s3_access_key: str = ""
+    s3_secret_key: str = ""
+    s3_region: str = "us-east-1"
+
+    @property
+    def storage_dir(self) -> Path:
+        """The local object store's root when no S3 endpoint is configured."""
+        return self.data_dir / "storage"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PlatformConfig:
@@ -44,6 +54,11 @@ class PlatformConfig:
             admin_key=env.get("TREADLE_ADMIN_KEY", ""),
             long_poll_seconds=float(env.get("TREADLE_LONG_POLL_SECONDS", "20")),
             device=env.get("TREADLE_DEVICE") or None,
+            s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
+            s3_bucket=env.get("TREADLE_S3_BUCKET") or "treadle",
+            s3_access_key=env.get("TREADLE_S3_ACCESS_KEY") or env.get("AWS_ACCESS_KEY_ID", ""),
+            s3_secret_key=env.get("TREADLE_S3_SECRET_KEY") or env.get("AWS_SECRET_ACCESS_KEY", ""),
+            s3_region=env.get("TREADLE_S3_REGION") or "us-east-1",
         )
 
     def with_services(self, database_url: str, redis_url: str) -> PlatformConfig:
@@ -62,4 +77,12 @@ class PlatformConfig:
             env["TREADLE_ADMIN_KEY"] = self.admin_key
         if self.device:
             env["TREADLE_DEVICE"] = self.device
+        if self.s3_endpoint:
+            env.update(
+                TREADLE_S3_ENDPOINT=self.s3_endpoint,
+                TREADLE_S3_BUCKET=self.s3_bucket,
+                TREADLE_S3_ACCESS_KEY=self.s3_access_key,
+                TREADLE_S3_SECRET_KEY=self.s3_secret_key,
+                TREADLE_S3_REGION=self.s3_region,
+            )
         return env
