@@ -38,7 +38,9 @@ def main() -> int:
             admit, round_trip = [], []
             for _ in range(args.ops):  # one at a time: latency
                 t0 = time.perf_counter()
-                rid = client.forward_backward(model_id, seq, [datum([5, 6, 7, 8, 9])]).json()["request_id"]
+                rid = client.forward_backward(model_id, seq, [datum([5, 6, 7, 8, 9])]).json()[
+                    "request_id"
+                ]
                 t1 = time.perf_counter()
                 client.result(rid)
                 t2 = time.perf_counter()

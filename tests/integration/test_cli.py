@@ -24,7 +24,7 @@ def test_migrate_is_idempotent_and_leaves_schema_at_head(services, engine: sa.En
     assert done.returncode == 0, done.stderr
     with engine.connect() as conn:
         assert (
-            conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one() == "0001"
+            conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one() == "0002"
         )
 
 

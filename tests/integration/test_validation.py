@@ -21,7 +21,9 @@ def rl_datum(n: int = 3, **override: Any) -> types.Datum:
     }
     inputs.update(override)
     inputs = {k: v for k, v in inputs.items() if v is not None}
-    return types.Datum(model_input=types.ModelInput.from_ints(list(range(1, 1 + n))), loss_fn_inputs=inputs)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(1, 1 + n))), loss_fn_inputs=inputs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,9 @@ def model(platform) -> tuple[WireClient, str]:
 def _event_count(engine: sa.Engine, model_id: str) -> int:
     with engine.connect() as conn:
         return int(
-            conn.execute(sa.text("SELECT count(*) FROM events WHERE session_id = :s"), {"s": model_id}).scalar_one()
+            conn.execute(
+                sa.text("SELECT count(*) FROM events WHERE session_id = :s"), {"s": model_id}
+            ).scalar_one()
         )
 
 
@@ -53,8 +57,12 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("loss_fn", "data", "config", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_rejection_is_400_and_appends_nothing(model, engine, loss_fn, data, config, message) -> None:
+@pytest.mark.parametrize(
+    ("loss_fn", "data", "config", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_rejection_is_400_and_appends_nothing(
+    model, engine, loss_fn, data, config, message
+) -> None:
     client, model_id = model
     before = _event_count(engine, model_id)
     response = client.forward_backward(model_id, 1, data, loss_fn=loss_fn, config=config)

@@ -16,7 +16,7 @@ from celery import Celery
 from flask import Flask, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from treadle.platform import db, tenants
+from treadle.platform import db, storage, tenants
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import TreadleError
 from treadle.platform.routing import make_celery
@@ -34,6 +34,7 @@ class Services:
     db: sa.Engine
     celery: Celery
     redis: redis.Redis
+    store: storage.ObjectStore
 
 
 def services() -> Services:
@@ -46,6 +47,7 @@ def principal() -> tenants.Principal:
 
 def create_app(config: PlatformConfig) -> Flask:
     from treadle.api import (
+        routes_checkpoints,
         routes_futures,
         routes_sampling,
         routes_sessions,
@@ -60,6 +62,7 @@ def create_app(config: PlatformConfig) -> Flask:
         db=db.connect(config.database_url, pool_size=20),
         celery=make_celery(config.redis_url),
         redis=redis.Redis.from_url(config.redis_url),
+        store=storage.store_from_config(config),
     )
     app.extensions["treadle"] = svc
     if config.admin_key:
@@ -69,6 +72,7 @@ def create_app(config: PlatformConfig) -> Flask:
     for module in (
         routes_sessions,
         routes_training,
+        routes_checkpoints,
         routes_sampling,
         routes_futures,
         routes_treadle,

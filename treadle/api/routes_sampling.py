@@ -13,7 +13,7 @@ from flask import Blueprint, jsonify
 from treadle.api.admission import place, submit
 from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import CreateSamplingSession, Sample, parse
-from treadle.platform import catalog, validation
+from treadle.platform import catalog, checkpoints, validation
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError
 
@@ -26,33 +26,42 @@ MAX_TOPK = 20
 @bp.post("/api/v1/create_sampling_session")
 def create_sampling_session() -> Any:
     body = parse(CreateSamplingSession, json_body())
+    who = principal()
+    checkpoint = None
+    base_model = body.base_model
     if body.model_path is not None:
-        raise ValidationError(
-            "sampling from a saved checkpoint (model_path) is not available on this server yet; "
-            "use base_model=..., or save_weights_and_get_sampling_client() on a training client"
-        )
-    if body.base_model is None:
-        raise ValidationError("create_sampling_session needs base_model")
-    catalog.get_base_model(body.base_model)
+        with services().db.connect() as conn:
+            checkpoint = checkpoints.get(conn, who, body.model_path)
+            base_model = sessions_core.get_session(conn, who, checkpoint.session_id).base_model
+        if checkpoint.is_merged:
+            raise ValidationError(
+                f"{body.model_path} is a merged model export; sample from the adapter checkpoint "
+                "(save without merge_weights) or load the folder with transformers"
+            )
+    if base_model is None:
+        raise ValidationError("create_sampling_session needs base_model or model_path")
+    catalog.get_base_model(base_model)
     sampler = sessions_core.sampler_id(body.session_id, body.sampling_session_seq_id)
     with services().db.begin() as conn:
-        sessions_core.get_client_session(conn, principal(), body.session_id)
+        sessions_core.get_client_session(conn, who, body.session_id)
         sessions_core.create_session(
             conn,
-            principal(),
+            who,
             session_id=sampler,
             client_session_id=body.session_id,
             kind="sampling",
-            base_model=body.base_model,
+            base_model=base_model,
         )
         sessions_core.create_sampler(
             conn,
-            principal(),
+            who,
             sampler=sampler,
             client_session_id=body.session_id,
             session_id=sampler,
-            base_model=body.base_model,
-            snapshot_id=None,
+            base_model=base_model,
+            snapshot_id=f"checkpoint:{checkpoint.path}" if checkpoint else None,
+            model_path=str(checkpoint.path) if checkpoint else None,
+            checkpoint_prefix=checkpoint.storage_prefix if checkpoint else None,
         )
     place(sampler)
     return jsonify(sampling_session_id=sampler)
@@ -97,6 +106,7 @@ def asample() -> Any:
     payload = {
         "prompt": tokens,
         "snapshot_id": sampler.snapshot_id,
+        "checkpoint_prefix": sampler.checkpoint_prefix,
         "num_samples": body.num_samples,
         "prompt_logprobs": body.prompt_logprobs or body.topk_prompt_logprobs > 0,
         "topk_prompt_logprobs": body.topk_prompt_logprobs,

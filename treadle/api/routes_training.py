@@ -12,7 +12,7 @@ from flask import Blueprint, jsonify, request
 
 from treadle.api.admission import place, submit
 from treadle.api.app import json_body, principal, services
-from treadle.api.schemas import CreateModel, ModelRef, OptimStep, SaveWeightsForSampler, parse
+from treadle.api.schemas import CreateModel, ModelRef, OptimStep, parse
 from treadle.api.wire import decode_forward_backward
 from treadle.platform import catalog, validation
 from treadle.platform import sessions as sessions_core
@@ -53,6 +53,7 @@ def create_model() -> Any:
             name=name,
             lora_config=lora_config,
             user_metadata=body.user_metadata,
+            model_package_group=sessions_core.ensure_valid_name(body.model_package_group),
         )
     place(model_id)
     admission = submit(
@@ -107,38 +108,3 @@ def optim_step() -> Any:
         )
     admission = submit(body.model_id, body.seq_id, "optim_step", body.adam_params.model_dump())
     return jsonify(request_id=admission.request_id, model_id=body.model_id)
-
-
-@bp.post("/api/v1/save_weights_for_sampler")
-def save_weights_for_sampler() -> Any:
-    body = parse(SaveWeightsForSampler, json_body())
-    if body.path is not None or body.sampling_session_seq_id is None:
-        raise ValidationError(
-            "named sampler checkpoints (path=...) are not available on this server yet; use "
-            "save_weights_and_get_sampling_client() for an ephemeral sampler"
-        )
-    with services().db.begin() as conn:
-        session = sessions_core.get_session(conn, principal(), body.model_id)
-        sampler = sessions_core.sampler_id(session.client_session_id, body.sampling_session_seq_id)
-        sessions_core.create_sampler(
-            conn,
-            principal(),
-            sampler=sampler,
-            client_session_id=session.client_session_id,
-            session_id=session.id,
-            base_model=session.base_model,
-            snapshot_id=sampler,
-        )
-    admission = submit(
-        body.model_id, body.seq_id, "save_weights_for_sampler", {"sampler_id": sampler}
-    )
-    return jsonify(request_id=admission.request_id, model_id=body.model_id)
-
-
-@bp.post("/api/v1/save_weights")
-@bp.post("/api/v1/load_weights")
-@bp.post("/api/v1/save_weights_external")
-def checkpoints_not_available() -> Any:
-    raise ValidationError(
-        f"{request.path.rsplit('/', 1)[-1]} (checkpoints) is not available on this server yet"
-    )

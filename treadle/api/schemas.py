@@ -47,6 +47,7 @@ class CreateModel(Body):
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig = Field(default_factory=lambda: LoraConfig())
     training_session_name: str | None = None
+    model_package_group: str | None = None
 
 
 class ModelRef(Body):
@@ -75,6 +76,36 @@ class SaveWeightsForSampler(Body):
     path: str | None = None
     sampling_session_seq_id: int | None = Field(None, ge=0)
     kind: str | None = None
+    ttl_seconds: int | None = Field(None, ge=1)
+    merge_weights: bool = False
+
+
+class SaveWeights(Body):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    path: str
+    ttl_seconds: int | None = Field(None, ge=1)
+    overwrite: bool = True
+
+
+class LoadWeights(Body):
+    path: str
+    optimizer: bool = False
+    # create-via-load (create_training_client_from_state[_with_optimizer])
+    session_id: str | None = None
+    model_seq_id: int | None = Field(None, ge=0)
+    base_model: str | None = None
+    # legacy load_state into an existing model
+    model_id: str | None = None
+    seq_id: int | None = Field(None, ge=1)
+
+
+class CheckpointTtl(Body):
+    ttl_seconds: int | None = Field(None, ge=1)
+
+
+class WeightsInfo(Body):
+    tinker_path: str
 
 
 class CreateSamplingSession(Body):

@@ -89,6 +89,7 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         user_metadata: dict[str, str] | None = None,
+        model_package_group: str | None = None,
     ) -> TrainingClient:
         """Start a training session (base model + a fresh LoRA adapter) and wait until it is live.
 
@@ -97,6 +98,8 @@ class ServiceClient:
             training_session_name: a label for audit and listing (1-128 chars, no '/').
             rank, alpha: the LoRA rank and scaling numerator (scale = alpha / rank; default 32).
             seed: seeds the adapter's initialisation.
+            model_package_group: the registry group each checkpoint save becomes a version of
+                (default: the session name, else the model id).
         Raises:
             tinker.RequestFailedError / tinker.BadRequestError: the server refused the session.
         Example:
@@ -127,6 +130,8 @@ class ServiceClient:
             body["training_session_name"] = training_session_name
         if user_metadata:
             body["user_metadata"] = user_metadata
+        if model_package_group is not None:
+            body["model_package_group"] = model_package_group
 
         async def create() -> tinker.TrainingClient:
             start = time.time()
@@ -151,11 +156,38 @@ class ServiceClient:
             name=training_session_name,
         )
 
-    def create_sampling_client(self, base_model: str) -> SamplingClient:
-        """A sampler on a bare base model."""
-        inner = self._inner.create_sampling_client(base_model=base_model).result()
+    def create_training_client_from_state(self, path: str) -> TrainingClient:
+        """A new training session with a checkpoint's weights and a fresh optimizer."""
+        return self._wrap(self._inner.create_training_client_from_state(path).result())
+
+    def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
+        """A new training session resuming a checkpoint exactly: weights and optimizer state."""
+        return self._wrap(
+            self._inner.create_training_client_from_state_with_optimizer(path).result()
+        )
+
+    def _wrap(self, inner: tinker.TrainingClient) -> TrainingClient:
+        info = inner.get_info()
+        return TrainingClient(
+            inner,
+            base_url=self.base_url,
+            api_key=self.api_key,
+            base_model=str(info.model_data.model_name),
+            name=None,
+        )
+
+    def create_sampling_client(
+        self, model_path: str | None = None, *, base_model: str | None = None
+    ) -> SamplingClient:
+        """A sampler on a saved checkpoint (`tinker://...`) or on a bare base model."""
+        inner = self._inner.create_sampling_client(
+            model_path=model_path, base_model=base_model
+        ).result()
         return SamplingClient(
-            inner, base_url=self.base_url, api_key=self.api_key, base_model=base_model
+            inner,
+            base_url=self.base_url,
+            api_key=self.api_key,
+            base_model=base_model or inner.get_base_model(),
         )
 
     def close(self, status: str = "success") -> None:

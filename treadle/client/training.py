@@ -7,6 +7,7 @@ session. Imports nothing from the server side.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import httpx
 import tinker
 from tinker import types
+from tinker.lib.api_future_impl import _APIFuture
+from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
 from treadle.client.sampling import SamplingClient
 from treadle.client.tokenizer import fetch_tokenizer
@@ -76,6 +79,73 @@ class TrainingClient:
     def optim_step(self, adam_params: types.AdamParams | None = None) -> Any:
         """Apply the accumulated gradients with Adam; returns a future of OptimStepResponse."""
         return self._inner.optim_step(adam_params or types.AdamParams())
+
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> Any:
+        """Save adapter + optimizer state as `tinker://<model id>/weights/<name>` (resumable).
+
+        Returns a future of SaveWeightsResponse (its `.path`). Each save is registered as a new
+        version of the session's model package group.
+        """
+        return self._inner.save_state(name, ttl_seconds=ttl_seconds)
+
+    def load_state(self, path: str) -> Any:
+        """Load a training checkpoint's weights into this session (fresh optimizer state)."""
+        return self._inner.load_state(path)
+
+    def load_state_with_optimizer(self, path: str) -> Any:
+        """Load a training checkpoint's weights and optimizer state into this session."""
+        return self._inner.load_state_with_optimizer(path)
+
+    def save_weights_for_sampler(
+        self, name: str, *, merge_weights: bool = False, ttl_seconds: int | None = None
+    ) -> Any:
+        """Save weights for sampling as `tinker://<model id>/sampler_weights/<name>`.
+
+        With `merge_weights=True` the checkpoint is a full Hugging Face model folder (the adapter
+        merged into the base weights) that `transformers` loads with no Treadle code; download it
+        with `treadle checkpoints download PATH DIR`. Returns a future whose `.path` is the path.
+        """
+        if not merge_weights:
+            return self._inner.save_weights_for_sampler(name, ttl_seconds=ttl_seconds)
+        return self._save_merged(name, ttl_seconds)
+
+    def _save_merged(self, name: str, ttl_seconds: int | None) -> Any:
+        inner = self._inner
+        holder = inner.holder
+        request_id = inner._get_request_id()
+        body: dict[str, Any] = {
+            "model_id": self.model_id,
+            "path": name,
+            "seq_id": request_id + 1,
+            "merge_weights": True,
+            "type": "save_weights_for_sampler",
+        }
+        if ttl_seconds is not None:
+            body["ttl_seconds"] = ttl_seconds
+
+        async def send() -> Any:
+            start = time.time()
+
+            async def post() -> Any:
+                with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
+                    return await client.post(
+                        "/api/v1/save_weights_for_sampler",
+                        body=body,
+                        cast_to=types.UntypedAPIFuture,
+                    )
+
+            async with inner._take_turn(request_id):
+                future = await holder.execute_with_retries(post)
+            result = await _APIFuture(
+                types.SaveWeightsForSamplerResponseInternal,
+                holder,
+                future,
+                start,
+                "SaveWeightsForSampler",
+            ).result_async()
+            return types.SaveWeightsForSamplerResponse(path=result.path)
+
+        return holder.run_coroutine_threadsafe(send())
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Snapshot the current weights and return a SamplingClient on them (waits for the save)."""

@@ -1,9 +1,10 @@
 """The training and sampling engine: LoRA adapters on shared base models, addressed by id.
 
-Owns adapters (weights, accumulated grads, Adam state), snapshots for sampling, and the base
-models they share (one per name, loaded lazily). Knows token ids, not HTTP or databases: a
-prepared batch goes in, one result or one error comes out. Losses live in `losses`, the decode
-loop in `sampler`, the LoRA mechanics in `lora`.
+Owns adapters (weights, accumulated grads, Adam state), snapshots for sampling, the base models
+they share (one per name, loaded lazily) and which adapters are resident on the accelerator (at
+most `max_resident_adapters`; idle ones move to host memory and come back on use, never dropped).
+Knows token ids, not HTTP or databases: a prepared batch goes in, one result or one error comes
+out. Losses live in `losses`, the decode loop in `sampler`, the LoRA mechanics in `lora`.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,21 +21,15 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from treadle.gpu_worker import sampler
-from treadle.gpu_worker.lora import LoraHost, LoraWeights
-from treadle.gpu_worker.losses import (
-    EngineDatum,
-    batch_loss,
-    get_loss,
-    microbatches,
-    resolve_config,
-    validate_data,
-)
+from treadle.gpu_worker import adapter_files, sampler
+from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, LoraWeights, TrainableLora
+from treadle.gpu_worker.losses import EngineDatum, batch_loss, get_loss, microbatches, validate_data
 from treadle.gpu_worker.models import load_base_model
 from treadle.gpu_worker.sampler import SampledSequence, SampleResult, SamplingSpec
 from treadle.platform.catalog import BaseModelInfo, get_base_model
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
-from treadle.platform.tokenizers import load_tokenizer
+from treadle.platform.losses import resolve_config
+from treadle.platform.tokenizers import load_tokenizer, tokenizer_files
 
 __all__ = [
     "AdamSpec",
@@ -45,26 +41,6 @@ __all__ = [
     "SampledSequence",
     "SamplingSpec",
 ]
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    rank: int
-    alpha: float
-    seed: int = 0
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = True
-
-
-@dataclass(frozen=True)
-class AdamSpec:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 @dataclass
@@ -85,28 +61,40 @@ class _Base:
 @dataclass
 class _Adapter:
     base_model: str
-    weights: LoraWeights
-    optimizer: torch.optim.AdamW
+    spec: LoraSpec
+    lora: TrainableLora
     snapshots: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
 class _Snapshot:
-    adapter_id: str
+    adapter_id: str | None  # None: loaded from files
     base_model: str
     weights: LoraWeights
 
 
 class Engine:
     """LoRA training and sampling for many adapters in one process. Thread-safe (one call runs
-    at a time); each adapter's weights, grads and optimizer state are its own."""
+    at a time); each adapter's weights, grads and optimizer state are its own.
 
-    def __init__(self, *, cache_dir: Path, device: str | None = None) -> None:
+    `device` None picks CUDA (bfloat16 base weights) when available, else the CPU (float32);
+    adapters are float32 everywhere. At most `max_resident_adapters` adapters stay on a CUDA
+    device; the least recently used others wait in host memory (on the CPU nothing moves).
+    """
+
+    def __init__(
+        self, *, cache_dir: Path, device: str | None = None, max_resident_adapters: int = 16
+    ) -> None:
+        if max_resident_adapters < 1:
+            raise ValueError(f"max_resident_adapters is {max_resident_adapters}; use 1 or more")
         self.cache_dir = Path(cache_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.max_resident_adapters = max_resident_adapters
+        self._offload_device = torch.device("cpu")
         self._bases: dict[str, _Base] = {}
         self._adapters: dict[str, _Adapter] = {}
+        self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._snapshots: dict[str, _Snapshot] = {}
         self._tokenizers: dict[str, PreTrainedTokenizerFast] = {}
         self._lock = threading.RLock()
@@ -125,22 +113,12 @@ class Engine:
 
     def create_adapter(self, adapter_id: str, base_model: str, lora: LoraSpec) -> None:
         """A fresh adapter (B = 0: it starts as the base model) with its own Adam state."""
-        _check_lora(lora)
         with self._lock:
             if adapter_id in self._adapters:
                 raise ConflictError(f"adapter {adapter_id!r} already exists; drop it first")
-            base = self._base(base_model)
-            weights = base.host.new_weights(
-                rank=lora.rank,
-                alpha=lora.alpha,
-                seed=lora.seed,
-                train_attn=lora.train_attn,
-                train_mlp=lora.train_mlp,
-                train_unembed=lora.train_unembed,
-                device=self.device,
-            )
-            optimizer = torch.optim.AdamW(weights.parameters())
-            self._adapters[adapter_id] = _Adapter(base_model, weights, optimizer)
+            weights = self._base(base_model).host.new_weights(lora, self.device)
+            self._adapters[adapter_id] = _Adapter(base_model, lora, TrainableLora(weights))
+            self._use(adapter_id)
 
     def has_adapter(self, adapter_id: str) -> bool:
         return adapter_id in self._adapters
@@ -152,16 +130,35 @@ class Engine:
             for snapshot_id in adapter.snapshots:
                 self._snapshots.pop(snapshot_id, None)
             del self._adapters[adapter_id]
+            self._resident.pop(adapter_id, None)
+
+    def resident_adapters(self) -> list[str]:
+        """Ids of the adapters counted as on the accelerator, least recently used first."""
+        with self._lock:
+            return list(self._resident)
+
+    def adapter_device(self, adapter_id: str) -> torch.device:
+        """Where the adapter's weights, grads and Adam moments are now."""
+        with self._lock:
+            return self._adapter(adapter_id).lora.device
 
     def adapter_weights(self, adapter_id: str) -> dict[str, np.ndarray]:
-        """A copy of the adapter's tensors as float32 arrays, under peft's names, in a fixed
-        order."""
+        """A float32 copy of the adapter's tensors under peft's names, in a fixed order."""
         with self._lock:
-            weights = self._adapter(adapter_id).weights
-            return {
-                name: t.detach().to("cpu", torch.float32, copy=True).numpy()
-                for name, t in weights.tensors()
-            }
+            named = self._adapter(adapter_id).lora.weights.tensors()
+            return {name: _numpy(t) for name, t in named}
+
+    def set_adapter_weights(self, adapter_id: str, weights: Mapping[str, np.ndarray]) -> None:
+        """Overwrite the adapter's tensors (names and shapes as `adapter_weights` gives them);
+        its accumulated grads and Adam state are kept. ValidationError on a mismatch."""
+        with self._lock:
+            self._adapter(adapter_id).lora.load(weights)
+
+    def adapter_grads(self, adapter_id: str) -> dict[str, np.ndarray]:
+        """A copy of the grads accumulated since the last `optim_step`, as `adapter_weights`
+        names them (zeros where none)."""
+        with self._lock:
+            return {name: _numpy(g) for name, g in self._adapter(adapter_id).lora.grads()}
 
     def weight_hash(self, adapter_id: str) -> str:
         """sha256 (hex) over the adapter's names, shapes and float32 bytes, in a fixed order."""
@@ -185,9 +182,9 @@ class Engine:
         """Per-datum target logprobs and losses; unless `forward_only`, add the gradient of the
         summed loss to the adapter's accumulated grads."""
         loss = get_loss(loss_fn)
-        config = resolve_config(loss, loss_fn_config)
+        config = resolve_config(loss.spec, loss_fn_config)
         with self._lock:
-            adapter = self._adapter(adapter_id)
+            adapter = self._use(adapter_id)
             base = self._bases[adapter.base_model]
             arrays = validate_data(
                 data,
@@ -197,42 +194,21 @@ class Engine:
             )
             outputs: list[dict[str, np.ndarray]] = []
             total = 0.0
-            with base.host.use(adapter.weights), torch.set_grad_enabled(not forward_only):
+            with base.host.use(adapter.lora.weights), torch.set_grad_enabled(not forward_only):
                 for chunk in microbatches(arrays):
                     chunk_outputs, chunk_loss = batch_loss(base.model, chunk, loss, config)
                     if not forward_only:
                         chunk_loss.backward()
                     outputs.extend(chunk_outputs)
                     total += float(chunk_loss.detach())
-        return ForwardBackwardResult(
-            outputs=outputs,
-            metrics={"loss:sum": total},
-            train_tokens=sum(len(a["tokens"]) for a in arrays),
-        )
+        train_tokens = sum(len(a["tokens"]) for a in arrays)
+        return ForwardBackwardResult(outputs, {"loss:sum": total}, train_tokens)
 
     def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]:
-        """Apply the grads accumulated since the last step with AdamW(`adam`), then zero them."""
-        _check_adam(adam)
+        """Apply the grads accumulated since the last step with AdamW(`adam`), then zero them.
+        Returns `grad_norm:mean` (before clipping) and `learning_rate:mean`."""
         with self._lock:
-            adapter = self._adapter(adapter_id)
-            params = adapter.weights.parameters()
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads)
-            if adam.grad_clip_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm)
-            group = adapter.optimizer.param_groups[0]
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-            adapter.optimizer.step()
-            adapter.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm:mean": float(grad_norm), "learning_rate:mean": adam.learning_rate}
+            return self._use(adapter_id).lora.step(adam)
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -240,9 +216,9 @@ class Engine:
         """Freeze a copy of the adapter's current weights under `snapshot_id` (replacing any
         snapshot of that id) for sampling; later training does not change it."""
         with self._lock:
-            adapter = self._adapter(adapter_id)
+            adapter = self._use(adapter_id)  # so the copy is made on the accelerator
             self.drop_snapshot(snapshot_id)
-            frozen = adapter.weights.frozen_copy()
+            frozen = adapter.lora.weights.frozen_copy()
             self._snapshots[snapshot_id] = _Snapshot(adapter_id, adapter.base_model, frozen)
             adapter.snapshots.add(snapshot_id)
 
@@ -265,9 +241,12 @@ class Engine:
         params: SamplingSpec,
         *,
         prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
     ) -> SampleResult:
         """`num_samples` continuations of `prompt` under the snapshot's weights (None: the base
-        model alone). Touches no adapter's weights or grads."""
+        model alone); with `prompt_logprobs`, each prompt token's logprob given its prefix; with
+        `topk_prompt_logprobs` = k > 0, the k likeliest tokens at each prompt position. Touches no
+        adapter's weights or grads."""
         with self._lock:
             base = self._base(base_model)
             weights = None
@@ -287,6 +266,7 @@ class Engine:
                 params,
                 vocab_size=base.model.config.vocab_size,
                 max_context_length=base.info.max_context_length,
+                topk_prompt_logprobs=topk_prompt_logprobs,
             )
             with base.host.use(weights):
                 return sampler.generate(
@@ -297,7 +277,48 @@ class Engine:
                     eos_token_id=base.tokenizer.eos_token_id,
                     decode=lambda ids: str(base.tokenizer.decode(ids)),
                     want_prompt_logprobs=prompt_logprobs,
+                    topk_prompt_logprobs=topk_prompt_logprobs,
                 )
+
+    # -- files (formats in `adapter_files`) -----------------------------------------------------
+
+    def export_adapter(self, adapter_id: str, folder: Path, *, with_optimizer: bool) -> None:
+        """Write the adapter into `folder` as a peft adapter plus treadle.json, and with
+        `with_optimizer` its exact Adam state (pending grads are not saved)."""
+        with self._lock:
+            adapter = self._adapter(adapter_id)
+            optimizer = adapter.lora.optimizer_state() if with_optimizer else None
+            weights, spec = adapter.lora.weights, adapter.spec
+            adapter_files.write_adapter(Path(folder), adapter.base_model, spec, weights, optimizer)
+
+    def import_adapter(
+        self, adapter_id: str, base_model: str, folder: Path, *, with_optimizer: bool
+    ) -> None:
+        """Create `adapter_id` from an exported folder, with its exact Adam state if asked (else a
+        fresh one). ValidationError for missing files, another base model or mismatched tensors."""
+        with self._lock:
+            if adapter_id in self._adapters:
+                raise ConflictError(f"adapter {adapter_id!r} already exists; drop it first")
+            spec, lora = self._read(folder, base_model, with_optimizer)
+            self._adapters[adapter_id] = _Adapter(base_model, spec, lora)
+            self._use(adapter_id)
+
+    def export_merged(self, adapter_id: str, folder: Path) -> None:
+        """Write a Hugging Face model folder (float32, with tokenizer) with the adapter's delta
+        merged into a bare float32 copy of the base weights, loadable with `transformers` alone."""
+        with self._lock:
+            adapter = self._adapter(adapter_id)
+            base_model, weights = adapter.base_model, adapter.lora.weights.frozen_copy()
+        model, _ = load_base_model(base_model, self.cache_dir, "cpu", torch.float32)
+        files = tokenizer_files(base_model, self.cache_dir)
+        adapter_files.write_merged(Path(folder), model, weights, files)
+
+    def load_snapshot(self, snapshot_id: str, base_model: str, folder: Path) -> None:
+        """Register an exported adapter's weights as snapshot `snapshot_id` (replacing any)."""
+        with self._lock:
+            _, lora = self._read(folder, base_model, optimizer=False)
+            self.drop_snapshot(snapshot_id)
+            self._snapshots[snapshot_id] = _Snapshot(None, base_model, lora.weights.frozen_copy())
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -309,37 +330,35 @@ class Engine:
                 self._bases[name] = _Base(info, model, tokenizer, LoraHost(model))
             return self._bases[name]
 
+    def _read(
+        self, folder: Path, base_model: str, optimizer: bool
+    ) -> tuple[LoraSpec, TrainableLora]:
+        saved = adapter_files.read_adapter(Path(folder), base_model, with_optimizer=optimizer)
+        lora = TrainableLora(self._base(base_model).host.new_weights(saved.spec, self.device))
+        lora.load(saved.tensors)
+        if saved.optimizer is not None:
+            lora.load_optimizer_state(saved.optimizer)
+        return saved.spec, lora
+
     def _adapter(self, adapter_id: str) -> _Adapter:
         try:
             return self._adapters[adapter_id]
         except KeyError:
             raise NotFoundError(f"adapter {adapter_id!r} not found; create it first") from None
 
+    def _use(self, adapter_id: str) -> _Adapter:
+        """The adapter, brought onto the accelerator and marked most recently used; the least
+        recently used others beyond `max_resident_adapters` move to host memory."""
+        adapter = self._adapter(adapter_id)
+        adapter.lora.move_to(self.device)
+        self._resident[adapter_id] = None
+        self._resident.move_to_end(adapter_id)
+        while len(self._resident) > self.max_resident_adapters:
+            idle, _ = self._resident.popitem(last=False)
+            if self.device.type != "cpu":
+                self._adapters[idle].lora.move_to(self._offload_device)
+        return adapter
 
-def _check_lora(lora: LoraSpec) -> None:
-    if lora.rank < 1:
-        raise ValidationError(f"LoRA rank is {lora.rank}; it must be at least 1")
-    if not lora.alpha > 0:
-        raise ValidationError(f"LoRA alpha is {lora.alpha}; it must be positive")
-    if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
-        raise ValidationError(
-            "train_attn, train_mlp and train_unembed are all false; enable at least one"
-        )
 
-
-def _check_adam(adam: AdamSpec) -> None:
-    problems = []
-    if not adam.learning_rate >= 0:
-        problems.append(f"learning_rate {adam.learning_rate} must be 0 or more")
-    for name, beta in (("beta1", adam.beta1), ("beta2", adam.beta2)):
-        if not 0 <= beta < 1:
-            problems.append(f"{name} {beta} must be in [0, 1)")
-    for name, value in (
-        ("eps", adam.eps),
-        ("weight_decay", adam.weight_decay),
-        ("grad_clip_norm", adam.grad_clip_norm),
-    ):
-        if not value >= 0:
-            problems.append(f"{name} {value} must be 0 or more")
-    if problems:
-        raise ValidationError("invalid Adam parameters: " + "; ".join(problems))
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to("cpu", torch.float32, copy=True).numpy()

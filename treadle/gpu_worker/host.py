@@ -14,13 +14,14 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import redis
 import sqlalchemy as sa
 
+from treadle.gpu_worker import checkpoint_io
 from treadle.gpu_worker.engine import (
     AdamSpec,
     Engine,
@@ -31,18 +32,33 @@ from treadle.gpu_worker.engine import (
 from treadle.platform import events, notify, operations
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import TreadleError
+from treadle.platform.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
 GAP_TIMEOUT_SECONDS = 15.0
-REPLAYED_TYPES = ("create_model", "forward_backward", "optim_step", "save_weights_for_sampler")
+REPLAYED_TYPES = (
+    "create_model",
+    "load_weights",
+    "forward_backward",
+    "optim_step",
+    "save_weights_for_sampler",
+)
+Registration = Callable[[sa.Connection], None]
 
 
 class SessionHost:
     def __init__(
-        self, *, db: sa.Engine, redis_client: redis.Redis, engine: Engine, worker_id: str
+        self,
+        *,
+        db: sa.Engine,
+        redis_client: redis.Redis,
+        engine: Engine,
+        store: ObjectStore,
+        worker_id: str,
     ) -> None:
         self.db = db
+        self.store = store
         self.redis = redis_client
         self.engine = engine
         self.worker_id = worker_id
@@ -98,7 +114,7 @@ class SessionHost:
                 continue
             if op.is_done:  # settled by a previous holder; cannot happen with a current lease
                 return
-            if op.type != "create_model":
+            if op.seq_id > 0:  # seq 0 creates the adapter (create_model or create-via-load)
                 self._ensure_restored(session)
             self._execute(session, op)
 
@@ -111,8 +127,9 @@ class SessionHost:
         result: dict[str, Any] | None = None
         error: dict[str, Any] | None = None
         tokens = {"prefill": 0, "sample": 0, "train": 0}
+        also: Registration | None = None
         try:
-            result, tokens = self._apply(session, op.type, payload)
+            result, tokens, also = self._apply(session, op.type, payload)
         except TreadleError as exc:
             error = {"category": exc.category, "code": exc.code, "message": exc.message}
         except Exception as exc:  # the engine failed: report it, keep the session going
@@ -133,6 +150,7 @@ class SessionHost:
                     result=result,
                     error=error,
                     usage=usage,
+                    also=also,
                 )
         except operations.StaleLeaseError as exc:
             log.warning("refused a stale write: %s", exc)
@@ -142,7 +160,7 @@ class SessionHost:
 
     def _apply(
         self, session: sessions_core.SessionRow, op_type: str, payload: Mapping[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, int]]:
+    ) -> tuple[dict[str, Any], dict[str, int], Registration | None]:
         tokens = {"prefill": 0, "sample": 0, "train": 0}
         if op_type == "create_model":
             if self.engine.has_adapter(session.id):
@@ -150,7 +168,15 @@ class SessionHost:
             self.engine.create_adapter(
                 session.id, payload["base_model"], LoraSpec(**payload["lora_config"])
             )
-            return {"model_id": session.id}, tokens
+            return {"model_id": session.id}, tokens, None
+        if op_type == "load_weights":
+            checkpoint_io.load(self.engine, self.store, session.id, payload)
+            return {"model_id": session.id, "path": payload["path"]}, tokens, None
+        if op_type == "save_weights":
+            result, register = checkpoint_io.save(
+                self.engine, self.store, session.id, session.tenant_id, payload
+            )
+            return result, tokens, register
         if op_type == "forward_backward":
             data = [
                 EngineDatum(
@@ -174,15 +200,16 @@ class SessionHost:
                 {name: _tensor_json(arr) for name, arr in per_datum.items()}
                 for per_datum in out.outputs
             ]
-            return {"loss_fn_outputs": outputs, "metrics": out.metrics}, tokens
+            return {"loss_fn_outputs": outputs, "metrics": out.metrics}, tokens, None
         if op_type == "optim_step":
             metrics = self.engine.optim_step(session.id, AdamSpec(**payload))
-            return {"metrics": metrics}, tokens
+            return {"metrics": metrics}, tokens, None
         if op_type == "save_weights_for_sampler":
             self.engine.snapshot(session.id, payload["sampler_id"])
-            return {"sampling_session_id": payload["sampler_id"]}, tokens
+            return {"sampling_session_id": payload["sampler_id"]}, tokens, None
         if op_type == "sample":
-            return self._sample(session, payload)
+            result, tokens = self._sample(session, payload)
+            return result, tokens, None
         raise AssertionError(f"unknown operation type {op_type}")
 
     def _sample(
@@ -194,6 +221,11 @@ class SessionHost:
             **params, stop=None if stop is None else tuple(stop)
         )  # a list on the wire
         snapshot = payload.get("snapshot_id")
+        if payload.get("checkpoint_prefix"):
+            assert snapshot is not None, "a checkpoint sampler always names its snapshot"
+            checkpoint_io.ensure_snapshot(
+                self.engine, self.store, snapshot, session.base_model, payload["checkpoint_prefix"]
+            )
         out = self.engine.sample(
             session.base_model,
             snapshot,

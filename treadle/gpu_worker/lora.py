@@ -1,10 +1,13 @@
 """Many LoRA adapters on one frozen base model, one active at a time.
 
-Owns `LoraHost` (wraps the base model's target linears once) and `LoraWeights` (one adapter's A/B
-matrices as plain tensors). Adapters and snapshots are just `LoraWeights`; activating one is a
-pointer swap, so adding an adapter never re-injects modules and a frozen copy for sampling costs
-only its tensors. This is peft's multi-adapter LoRA with the bookkeeping Treadle needs (per-adapter
-targets and rank, seeded init, snapshots); tensor names follow peft's so weights can be exported.
+Owns `LoraSpec` (an adapter's rank, alpha, seed and targets), `LoraHost` (wraps the base model's
+target linears once), `LoraWeights` (one adapter's A/B matrices as plain tensors) and
+`TrainableLora` (weights plus accumulated grads and AdamW state, movable between the accelerator
+and host memory as a unit, its Adam state readable and restorable exactly). Adapters and snapshots
+are just `LoraWeights`; activating one is a pointer swap, so adding an adapter never re-injects
+modules and a frozen copy for sampling costs only its tensors. This is peft's multi-adapter LoRA
+with the bookkeeping Treadle needs (per-adapter targets and rank, seeded init, snapshots); tensor
+names follow peft's so weights can be exported.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -12,25 +15,49 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from treadle.platform.errors import ValidationError
 
 __all__ = [
     "ATTN_TARGETS",
     "MLP_TARGETS",
     "UNEMBED_TARGETS",
+    "AdamSpec",
     "LoraHost",
     "LoraLinear",
+    "LoraSpec",
     "LoraWeights",
+    "TrainableLora",
 ]
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_TARGETS = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    def targets(self) -> tuple[str, ...]:
+        """The module-name suffixes this adapter trains."""
+        return (
+            (ATTN_TARGETS if self.train_attn else ())
+            + (MLP_TARGETS if self.train_mlp else ())
+            + (UNEMBED_TARGETS if self.train_unembed else ())
+        )
 
 
 @dataclass
@@ -62,6 +89,28 @@ class LoraWeights:
             A={k: v.detach().clone() for k, v in self.A.items()},
             B={k: v.detach().clone() for k, v in self.B.items()},
         )
+
+    def load(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Overwrite every tensor with `arrays` (peft names, as `tensors()` gives them).
+        ValidationError, changing nothing, on a missing, extra, misshapen or non-finite tensor."""
+        named = dict(self.tensors())
+        missing, extra = sorted(set(named) - set(arrays)), sorted(set(arrays) - set(named))
+        if missing or extra:
+            raise ValidationError(
+                f"adapter weights do not match this adapter: missing {missing}, unexpected "
+                f"{extra}; load weights saved from an adapter with the same rank and targets"
+            )
+        for name, tensor in named.items():
+            if tuple(np.shape(arrays[name])) != tuple(tensor.shape):
+                raise ValidationError(
+                    f"adapter weight {name} has shape {list(np.shape(arrays[name]))}; this "
+                    f"adapter needs {list(tensor.shape)}"
+                )
+            if not np.isfinite(arrays[name]).all():
+                raise ValidationError(f"adapter weight {name} holds NaN or infinite values")
+        with torch.no_grad():
+            for name, tensor in named.items():
+                tensor.copy_(torch.as_tensor(np.asarray(arrays[name], np.float32)))
 
 
 class LoraLinear(nn.Module):
@@ -116,26 +165,23 @@ class LoraHost:
         finally:
             self.active = previous
 
-    def new_weights(
-        self,
-        *,
-        rank: int,
-        alpha: float,
-        seed: int,
-        train_attn: bool,
-        train_mlp: bool,
-        train_unembed: bool,
-        device: torch.device,
-    ) -> LoraWeights:
+    def new_weights(self, spec: LoraSpec, device: torch.device) -> LoraWeights:
         """Fresh trainable weights: A uniform in +-1/sqrt(in_features) (peft's default) drawn from
-        a CPU generator seeded with `seed` in module order, so the same seed gives the same A on
-        every device; B = 0, so the adapter starts as the base model."""
-        suffixes = (
-            (ATTN_TARGETS if train_attn else ())
-            + (MLP_TARGETS if train_mlp else ())
-            + (UNEMBED_TARGETS if train_unembed else ())
-        )
-        generator = torch.Generator(device="cpu").manual_seed(seed)
+        a CPU generator seeded with `spec.seed` in module order, so the same seed gives the same A
+        on every device; B = 0, so the adapter starts as the base model.
+
+        Raises ValidationError for rank < 1, alpha <= 0 or no part selected to train.
+        """
+        rank, suffixes = spec.rank, spec.targets()
+        if rank < 1:
+            raise ValidationError(f"LoRA rank is {rank}; it must be at least 1")
+        if not spec.alpha > 0:
+            raise ValidationError(f"LoRA alpha is {spec.alpha}; it must be positive")
+        if not suffixes:
+            raise ValidationError(
+                "train_attn, train_mlp and train_unembed are all false; enable at least one"
+            )
+        generator = torch.Generator(device="cpu").manual_seed(spec.seed)
         a: dict[str, torch.Tensor] = {}
         b: dict[str, torch.Tensor] = {}
         for name, (in_features, out_features) in self.shapes.items():
@@ -145,4 +191,130 @@ class LoraHost:
             a_r_in = torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
             a[name] = nn.Parameter(a_r_in.to(device))
             b[name] = nn.Parameter(torch.zeros(out_features, rank, device=device))
-        return LoraWeights(scale=alpha / rank, A=a, B=b)
+        return LoraWeights(scale=spec.alpha / rank, A=a, B=b)
+
+
+@dataclass(frozen=True)
+class AdamSpec:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class TrainableLora:
+    """One adapter under training: its weights, the grads accumulated since the last step and its
+    AdamW state, kept together on one device."""
+
+    def __init__(self, weights: LoraWeights) -> None:
+        self.weights = weights
+        self.optimizer = torch.optim.AdamW(weights.parameters())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.weights.A.values())).device
+
+    def grads(self) -> list[tuple[str, torch.Tensor]]:
+        """The accumulated grad of every tensor (zeros where none yet), named as `tensors()`."""
+        return [
+            (name, t.grad if t.grad is not None else torch.zeros_like(t))
+            for name, t in self.weights.tensors()
+        ]
+
+    def load(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Overwrite every tensor (see `LoraWeights.load`); grads and optimizer state are kept."""
+        self.weights.load(arrays)
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """A CPU copy of the AdamW state (`step`, `exp_avg`, `exp_avg_sq`) of every tensor that
+        has any yet, keyed by the tensor's peft name; empty before the first step."""
+        out = {}
+        for name, p in self.weights.tensors():
+            state = self.optimizer.state.get(p)
+            if state:
+                out[name] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        return out
+
+    def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Replace the AdamW state with `state` (as `optimizer_state` gives it), exactly.
+        ValidationError, changing nothing, on an unknown tensor or a misshapen entry."""
+        named = self.weights.tensors()
+        index = {name: i for i, (name, _) in enumerate(named)}
+        if unknown := sorted(set(state) - set(index)):
+            raise ValidationError(f"optimizer state for unknown adapter tensors {unknown}")
+        for name, entries in state.items():
+            shape = tuple(named[index[name]][1].shape)
+            for key, value in entries.items():
+                want = () if key == "step" else shape
+                if tuple(value.shape) != want or not torch.isfinite(value).all():
+                    raise ValidationError(
+                        f"optimizer state {name}.{key} has shape {list(value.shape)} or holds "
+                        f"non-finite values; this adapter needs shape {list(want)}"
+                    )
+        groups = self.optimizer.state_dict()["param_groups"]
+        as_saved = {index[name]: {k: v.clone() for k, v in e.items()} for name, e in state.items()}
+        # load_state_dict moves moments to each parameter's device and dtype; `step` stays as is.
+        self.optimizer.load_state_dict({"state": as_saved, "param_groups": groups})
+
+    def step(self, adam: AdamSpec) -> dict[str, float]:
+        """Apply the accumulated grads with AdamW(`adam`) (after clipping their global norm to
+        `grad_clip_norm`, if > 0), then zero them. Returns the norm before clipping."""
+        _check_adam(adam)
+        params = self.weights.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if adam.grad_clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm)
+        self.optimizer.param_groups[0].update(
+            lr=adam.learning_rate,
+            betas=(adam.beta1, adam.beta2),
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm:mean": float(grad_norm), "learning_rate:mean": adam.learning_rate}
+
+    def move_to(self, device: torch.device) -> None:
+        """Move weights, pending grads and Adam moments to `device`, in place: the parameter
+        objects stay (the optimizer's state is keyed by them), so nothing is lost either way.
+        Adam's step counters stay on the CPU, where AdamW keeps them. No-op if already there."""
+        if _same_device(self.device, device):
+            return
+        for p in self.weights.parameters():
+            grad, p.grad = p.grad, None
+            p.data = p.data.to(device)
+            if grad is not None:
+                p.grad = grad.to(device)
+            state = self.optimizer.state.get(p, {})
+            for key, value in state.items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Equal, reading a missing index ("cuda") as the current device, without initialising CUDA
+    to ask which that is (the one process-wide device a worker uses)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _check_adam(adam: AdamSpec) -> None:
+    problems = []
+    if not adam.learning_rate >= 0:
+        problems.append(f"learning_rate {adam.learning_rate} must be 0 or more")
+    for name, beta in (("beta1", adam.beta1), ("beta2", adam.beta2)):
+        if not 0 <= beta < 1:
+            problems.append(f"{name} {beta} must be in [0, 1)")
+    for name, value in (
+        ("eps", adam.eps),
+        ("weight_decay", adam.weight_decay),
+        ("grad_clip_norm", adam.grad_clip_norm),
+    ):
+        if not value >= 0:
+            problems.append(f"{name} {value} must be 0 or more")
+    if problems:
+        raise ValidationError("invalid Adam parameters: " + "; ".join(problems))

@@ -1,23 +1,24 @@
 """Training losses, by name, and the validation of the data they consume.
 
-Owns `EngineDatum`, the loss registry (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
-`dro`), every check on a datum's tokens and `loss_fn_inputs`, and the padded batch forward pass
-that turns validated data into logprobs and losses. A loss maps the target-token
-logprobs `lp` of the current model to an elementwise loss; the total is its sum over tokens and
-datums (normalising is the client's job). Formulas: /work/shared/reference/semantics.md.
+Owns `EngineDatum`, the loss functions (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
+`dro`; their names, inputs and config ranges are `treadle.platform.losses`'), every check on a
+datum's tokens and `loss_fn_inputs`, and the padded batch forward pass that turns validated data
+into logprobs and losses. A loss maps the target-token logprobs `lp` of the current model to an
+elementwise loss; the total is its sum over tokens and datums (normalising is the client's job). Formulas: /work/shared/reference/semantics.md.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from treadle.platform.errors import ValidationError
+from treadle.platform.losses import LOSS_SPECS, LossSpec, get_loss_spec
 
 __all__ = [
     "LOSSES",
@@ -27,7 +28,6 @@ __all__ = [
     "batch_loss",
     "get_loss",
     "microbatches",
-    "resolve_config",
     "validate_data",
 ]
 
@@ -49,17 +49,24 @@ class EngineDatum:
 
 @dataclass(frozen=True)
 class LossFn:
-    """A loss: the float inputs it needs besides `target_tokens`, its config keys with defaults
-    and valid (inclusive) ranges, and `compute(lp_B_T, inputs, config) -> elementwise_loss_B_T`."""
+    """A loss: its specification (float inputs besides `target_tokens`, config keys with defaults
+    and ranges; owned by `treadle.platform.losses`) and
+    `compute(lp_B_T, inputs, config) -> elementwise_loss_B_T`."""
 
-    name: str
-    float_inputs: tuple[str, ...]
+    spec: LossSpec
     compute: Compute
-    config: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def float_inputs(self) -> tuple[str, ...]:
+        return self.spec.float_inputs
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        return ("target_tokens", *self.float_inputs)
+        return self.spec.inputs
 
 
 def _cross_entropy(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
@@ -86,60 +93,23 @@ def _dro(lp: Tensor, x: Mapping[str, Tensor], c: Mapping[str, float]) -> Tensor:
     return -(lp * x["advantages"] - 0.5 * c["beta"] * (lp - x["logprobs"]) ** 2)
 
 
-_RL_INPUTS = ("logprobs", "advantages")
-# key -> (default, lowest, highest); ranges as SageMaker accepts them
-_CLIP = {"clip_low_threshold": (0.8, 0.0, 1.0), "clip_high_threshold": (1.2, 1.0, 10.0)}
+_COMPUTE: dict[str, Compute] = {
+    "cross_entropy": _cross_entropy,
+    "importance_sampling": _importance_sampling,
+    "ppo": _ppo,
+    "cispo": _cispo,
+    "dro": _dro,
+}
+assert set(_COMPUTE) == set(LOSS_SPECS), "every specified loss needs exactly one compute function"
 
 LOSSES: dict[str, LossFn] = {
-    loss.name: loss
-    for loss in (
-        LossFn("cross_entropy", ("weights",), _cross_entropy),
-        LossFn("importance_sampling", _RL_INPUTS, _importance_sampling),
-        LossFn("ppo", _RL_INPUTS, _ppo, _CLIP),
-        LossFn("cispo", _RL_INPUTS, _cispo, _CLIP),
-        LossFn("dro", _RL_INPUTS, _dro, {"beta": (0.05, 0.0, float("inf"))}),
-    )
+    name: LossFn(spec, _COMPUTE[name]) for name, spec in LOSS_SPECS.items()
 }
 
 
 def get_loss(name: str) -> LossFn:
     """The loss called `name`; ValidationError listing the known ones otherwise."""
-    try:
-        return LOSSES[name]
-    except KeyError:
-        known = ", ".join(sorted(LOSSES))
-        raise ValidationError(f"unknown loss_fn {name!r}; choose one of: {known}") from None
-
-
-def resolve_config(loss: LossFn, config: Mapping[str, float] | None) -> dict[str, float]:
-    """`config` completed with the loss's defaults; unknown keys and out-of-range values raise."""
-    given = dict(config or {})
-    unknown = sorted(set(given) - set(loss.config))
-    if unknown:
-        accepted = ", ".join(sorted(loss.config)) or "none"
-        raise ValidationError(
-            f"loss_fn_config keys {unknown} are not used by {loss.name!r}; "
-            f"accepted keys: {accepted}"
-        )
-    resolved: dict[str, float] = {}
-    for key, (default, low, high) in loss.config.items():
-        try:
-            value = float(given.get(key, default))
-        except (TypeError, ValueError):
-            raise ValidationError(f"loss_fn_config {key} must be a number") from None
-        if not low <= value <= high:
-            raise ValidationError(
-                f"loss_fn_config {key}={value} is out of range for {loss.name!r}; "
-                f"it must be between {low} and {high}"
-            )
-        resolved[key] = value
-    if "clip_low_threshold" in resolved and (
-        resolved["clip_low_threshold"] > resolved["clip_high_threshold"]
-    ):
-        raise ValidationError(
-            "loss_fn_config clip_low_threshold must not exceed clip_high_threshold"
-        )
-    return resolved
+    return LOSSES[get_loss_spec(name).name]
 
 
 def validate_data(

@@ -19,7 +19,7 @@ from celery.signals import worker_ready
 
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
-from treadle.platform import db, operations, routing
+from treadle.platform import db, operations, routing, storage
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 
@@ -97,6 +97,7 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         db=db.connect(config.database_url, pool_size=4),
         redis_client=redis.Redis.from_url(config.redis_url),
         engine=engine,
+        store=storage.store_from_config(config),
         worker_id=worker_id,
     )
     app = build_app(config, host)

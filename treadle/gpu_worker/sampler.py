@@ -46,10 +46,15 @@ class SampledSequence:
 
 @dataclass
 class SampleResult:
+    """`prompt_logprobs[i]`: logprob of prompt token i given its prefix (None at 0);
+    `topk_prompt_logprobs[i]`: the k likeliest (token id, logprob) after prompt[:i], likeliest
+    first (an empty list at 0). Both at temperature 1, and None unless asked for."""
+
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None
     prefill_tokens: int
     sample_tokens: int
+    topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def validate_sampling(
@@ -59,6 +64,7 @@ def validate_sampling(
     *,
     vocab_size: int,
     max_context_length: int,
+    topk_prompt_logprobs: int = 0,
 ) -> list[int]:
     """`prompt` as a list of ints; ValidationError saying what is wrong with the request, and
     how to fix it, otherwise."""
@@ -77,6 +83,11 @@ def validate_sampling(
             )
     if num_samples < 1:
         raise ValidationError(f"num_samples is {num_samples}; it must be at least 1")
+    if not 0 <= topk_prompt_logprobs <= vocab_size:
+        raise ValidationError(
+            f"topk_prompt_logprobs is {topk_prompt_logprobs}; it must be between 0 (off) and the "
+            f"vocabulary size {vocab_size}"
+        )
     if params.max_tokens < 0:
         raise ValidationError(f"max_tokens is {params.max_tokens}; it must be 0 or more")
     if len(prompt) + params.max_tokens > max_context_length:
@@ -107,11 +118,13 @@ def generate(
     eos_token_id: int | None,
     decode: Callable[[list[int]], str],
     want_prompt_logprobs: bool = False,
+    topk_prompt_logprobs: int = 0,
 ) -> SampleResult:
     """Sample `num_samples` continuations of `prompt` with whatever weights `model` runs now.
 
     Per-token logprobs are under softmax(logits / temperature) before top-k/top-p truncation
-    (under softmax(logits) when greedy). Call `validate_sampling` first.
+    (under softmax(logits) when greedy); prompt logprobs under softmax(logits). Call
+    `validate_sampling` first.
     """
     device = next(model.parameters()).device
     seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -121,17 +134,20 @@ def generate(
     logprobs_N: list[list[float]] = [[] for _ in range(num_samples)]
     reasons: list[str | None] = [None] * num_samples
     prompt_logprobs: list[float | None] | None = None
+    topk: list[list[tuple[int, float]]] | None = None
 
     with torch.inference_mode():
         prompt_1_P = torch.tensor([list(prompt)], dtype=torch.long, device=device)
         cache = DynamicCache(config=model.config)
         kwarg = _cache_kwarg(model)
-        keep = 0 if want_prompt_logprobs else 1
+        keep = 0 if want_prompt_logprobs or topk_prompt_logprobs else 1  # 0 = every position
         out = model(input_ids=prompt_1_P, use_cache=True, logits_to_keep=keep, **{kwarg: cache})
         logits_1_K_V = out.logits.float()
         if want_prompt_logprobs:
             lp_1_Pm1 = _token_logprobs(logits_1_K_V[:, :-1], prompt_1_P[:, 1:])
             prompt_logprobs = [None, *lp_1_Pm1[0].tolist()]
+        if topk_prompt_logprobs:
+            topk = [[], *_topk_logprobs(logits_1_K_V[0, :-1], topk_prompt_logprobs)]
         if params.max_tokens > 0:
             cache.batch_repeat_interleave(num_samples)
             logits_N_V = logits_1_K_V[:, -1].expand(num_samples, -1)
@@ -160,6 +176,7 @@ def generate(
         prompt_logprobs=prompt_logprobs,
         prefill_tokens=len(prompt),
         sample_tokens=sum(len(t) for t in tokens_N),
+        topk_prompt_logprobs=topk,
     )
 
 
@@ -188,6 +205,17 @@ def _token_logprobs(logits_B_T_V: torch.Tensor, tokens_B_T: torch.Tensor) -> tor
     """log softmax(logits)[token] per position, computed without materialising the softmax."""
     picked_B_T = logits_B_T_V.gather(-1, tokens_B_T[..., None])[..., 0]
     return picked_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
+
+
+def _topk_logprobs(logits_T_V: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """Per position, the `k` likeliest (token id, logprob), likeliest first."""
+    rows: list[list[tuple[int, float]]] = []
+    for start in range(0, logits_T_V.shape[0], 256):  # bounds the float32 [rows, V] temporaries
+        logprobs_R_V = torch.log_softmax(logits_T_V[start : start + 256], dim=-1)
+        values_R_K, ids_R_K = torch.topk(logprobs_R_V, k, dim=-1)  # sorted, descending
+        for ids, values in zip(ids_R_K.tolist(), values_R_K.tolist(), strict=True):
+            rows.append(list(zip(ids, values, strict=True)))
+    return rows
 
 
 def _choose(

@@ -25,6 +25,8 @@ EVENT_TYPES = (
     "OperationCompleted",
     "OperationFailed",
     "OperationsSkipped",
+    "CheckpointSaved",
+    "CheckpointDeleted",
 )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,14 @@ from treadle.platform.schema import operations, sessions
 from treadle.platform.sessions import get_session
 from treadle.platform.tenants import Principal
 
-TRAINING_TYPES = ("create_model", "forward_backward", "optim_step", "save_weights_for_sampler")
+TRAINING_TYPES = (
+    "create_model",
+    "forward_backward",
+    "optim_step",
+    "save_weights_for_sampler",
+    "save_weights",
+    "load_weights",
+)
 SAMPLE_TYPES = ("sample",)
 
 
@@ -178,10 +185,13 @@ def settle(
     result: Mapping[str, Any] | None,
     error: Mapping[str, Any] | None,
     usage: Mapping[str, Any],
+    also: Callable[[sa.Connection], None] | None = None,
 ) -> bool:
     """Record an operation's outcome. Returns False when it had already been settled (duplicate).
 
     Raises StaleLeaseError when this worker no longer holds the session's lease at `lease_epoch`.
+    `also` runs inside the same transaction when the operation succeeded (e.g. registering the
+    checkpoint it saved).
     """
     session = get_session(conn, None, op.session_id, for_update=True)
     if session.worker_id != worker_id or session.lease_epoch != lease_epoch:
@@ -213,6 +223,8 @@ def settle(
         events.append(
             conn, op.session_id, op.tenant_id, "OperationCompleted", {**data, "result": result}
         )
+        if also is not None:
+            also(conn)
     else:
         events.append(
             conn, op.session_id, op.tenant_id, "OperationFailed", {**data, "error": error}

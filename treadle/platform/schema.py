@@ -69,6 +69,7 @@ sessions = sa.Table(
     sa.Column("base_model", sa.Text, nullable=False),
     sa.Column("lora_config", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("user_metadata", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("model_package_group", sa.Text),
     sa.Column("status", sa.Text, nullable=False),
     sa.Column("worker_id", sa.Text),
     sa.Column("lease_epoch", sa.BigInteger, nullable=False, server_default="0"),
@@ -105,6 +106,7 @@ samplers = sa.Table(
     sa.Column("base_model", sa.Text, nullable=False),
     sa.Column("snapshot_id", sa.Text),
     sa.Column("model_path", sa.Text),
+    sa.Column("checkpoint_prefix", sa.Text),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )
 
@@ -139,5 +141,36 @@ operations = sa.Table(
         "seq_id",
         unique=True,
         postgresql_where=sa.text("sampler_id IS NOT NULL"),
+    ),
+)
+
+# Projection: every saved checkpoint, registered as a version of its model package group.
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("session_id", sa.Text, sa.ForeignKey("sessions.id"), nullable=False),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("tinker_path", sa.Text, nullable=False),
+    sa.Column("storage_prefix", sa.Text, nullable=False),
+    sa.Column("model_package_group", sa.Text, nullable=False),
+    sa.Column("version", sa.BigInteger, nullable=False),
+    sa.Column("size_bytes", sa.BigInteger, nullable=False),
+    sa.Column("has_optimizer", sa.Boolean, nullable=False),
+    sa.Column("is_merged", sa.Boolean, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("expires_at", sa.DateTime(timezone=True)),
+    sa.Column("deleted_at", sa.DateTime(timezone=True)),
+    sa.Index("ix_checkpoints_tenant", "tenant_id"),
+    sa.Index(
+        "uq_checkpoints_live_path",
+        "tinker_path",
+        unique=True,
+        postgresql_where=sa.text("deleted_at IS NULL"),
+    ),
+    sa.UniqueConstraint(
+        "tenant_id", "model_package_group", "version", name="uq_checkpoints_version"
     ),
 )

@@ -36,6 +36,9 @@ class SessionRow:
     worker_id: str | None
     lease_epoch: int
     last_applied_seq: int
+    model_package_group: str | None = None
+    user_metadata: Mapping[str, Any] | None = None
+    updated_at: Any = None
 
     @property
     def is_active(self) -> bool:
@@ -105,6 +108,7 @@ def create_session(
     name: str | None = None,
     lora_config: Mapping[str, Any] | None = None,
     user_metadata: Mapping[str, Any] | None = None,
+    model_package_group: str | None = None,
 ) -> bool:
     """Create a session row and its SessionCreated event. Returns False if it already existed."""
     stmt = sa.dialects.postgresql.insert(sessions).values(
@@ -116,6 +120,7 @@ def create_session(
         base_model=base_model,
         lora_config=dict(lora_config or {}),
         user_metadata=dict(user_metadata or {}),
+        model_package_group=model_package_group,
         status="Created",
     )
     inserted = conn.execute(
@@ -165,6 +170,9 @@ def get_session(
         worker_id=row.worker_id,
         lease_epoch=row.lease_epoch,
         last_applied_seq=row.last_applied_seq,
+        model_package_group=row.model_package_group,
+        user_metadata=row.user_metadata,
+        updated_at=row.updated_at,
     )
 
 
@@ -186,6 +194,8 @@ def create_sampler(
     session_id: str,
     base_model: str,
     snapshot_id: str | None,
+    model_path: str | None = None,
+    checkpoint_prefix: str | None = None,
 ) -> None:
     stmt = sa.dialects.postgresql.insert(samplers).values(
         id=sampler,
@@ -194,6 +204,8 @@ def create_sampler(
         session_id=session_id,
         base_model=base_model,
         snapshot_id=snapshot_id,
+        model_path=model_path,
+        checkpoint_prefix=checkpoint_prefix,
     )
     conn.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
 
@@ -205,6 +217,7 @@ class SamplerRow:
     base_model: str
     snapshot_id: str | None
     model_path: str | None
+    checkpoint_prefix: str | None
 
 
 def get_sampler(conn: sa.Connection, principal: Principal | None, sampler: str) -> SamplerRow:
@@ -217,7 +230,14 @@ def get_sampler(conn: sa.Connection, principal: Principal | None, sampler: str) 
             f"sampler {sampler} not found; create one with create_sampling_session or "
             "save_weights_for_sampler"
         )
-    return SamplerRow(row.id, row.session_id, row.base_model, row.snapshot_id, row.model_path)
+    return SamplerRow(
+        row.id,
+        row.session_id,
+        row.base_model,
+        row.snapshot_id,
+        row.model_path,
+        row.checkpoint_prefix,
+    )
 
 
 def stop_session(conn: sa.Connection, principal: Principal, session_id: str, reason: str) -> bool:

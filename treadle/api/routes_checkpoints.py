@@ -1,0 +1,287 @@
+"""Checkpoint routes: save_weights (save_state), save_weights_for_sampler (named, merged or
+ephemeral), load_weights (create-via-load and legacy load_state), and the Tinker REST registry
+(training_runs, checkpoints, weights_info). Imports platform only; never torch.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from flask import Blueprint, jsonify, request, send_file
+
+from treadle.api.admission import place, submit
+from treadle.api.app import json_body, principal, services
+from treadle.api.schemas import (
+    CheckpointTtl,
+    LoadWeights,
+    SaveWeights,
+    SaveWeightsForSampler,
+    WeightsInfo,
+    parse,
+)
+from treadle.platform import checkpoints, storage
+from treadle.platform import sessions as sessions_core
+from treadle.platform.errors import NotFoundError, ValidationError
+
+bp = Blueprint("checkpoints", __name__, url_prefix="/api/v1")
+
+
+def checkpoint_prefix(tenant_id: str, path: checkpoints.CheckpointPath) -> str:
+    return storage.tenant_key(tenant_id, "sessions", path.run_id, path.kind, path.name)
+
+
+@bp.post("/save_weights")
+def save_weights() -> Any:
+    body = parse(SaveWeights, json_body())
+    name = checkpoints.validate_name(body.path)
+    path = checkpoints.CheckpointPath(body.model_id, "weights", name)
+    payload = {
+        "path": str(path),
+        "prefix": checkpoint_prefix(principal().tenant_id, path),
+        "ttl_seconds": body.ttl_seconds,
+        "with_optimizer": True,
+        "merge_weights": False,
+    }
+    admission = submit(body.model_id, body.seq_id, "save_weights", payload)
+    return jsonify(request_id=admission.request_id, model_id=body.model_id)
+
+
+@bp.post("/save_weights_for_sampler")
+def save_weights_for_sampler() -> Any:
+    body = parse(SaveWeightsForSampler, json_body())
+    if body.kind not in (None, "snapshot"):
+        raise ValidationError(f"kind {body.kind!r} is not supported; use 'snapshot'")
+    if body.path is not None:
+        name = checkpoints.validate_name(body.path)
+        path = checkpoints.CheckpointPath(body.model_id, "sampler_weights", name)
+        payload = {
+            "path": str(path),
+            "prefix": checkpoint_prefix(principal().tenant_id, path),
+            "ttl_seconds": body.ttl_seconds,
+            "with_optimizer": False,
+            "merge_weights": body.merge_weights,
+        }
+        admission = submit(body.model_id, body.seq_id, "save_weights", payload)
+        return jsonify(request_id=admission.request_id, model_id=body.model_id)
+    if body.sampling_session_seq_id is None:
+        raise ValidationError(
+            "save_weights_for_sampler needs a path (a name) or sampling_session_seq_id"
+        )
+    if body.merge_weights:
+        raise ValidationError("merge_weights needs a named checkpoint: pass path=<name>")
+    with services().db.begin() as conn:
+        session = sessions_core.get_session(conn, principal(), body.model_id)
+        sampler = sessions_core.sampler_id(session.client_session_id, body.sampling_session_seq_id)
+        sessions_core.create_sampler(
+            conn,
+            principal(),
+            sampler=sampler,
+            client_session_id=session.client_session_id,
+            session_id=session.id,
+            base_model=session.base_model,
+            snapshot_id=sampler,
+        )
+    admission = submit(
+        body.model_id, body.seq_id, "save_weights_for_sampler", {"sampler_id": sampler}
+    )
+    return jsonify(request_id=admission.request_id, model_id=body.model_id)
+
+
+@bp.post("/load_weights")
+def load_weights() -> Any:
+    body = parse(LoadWeights, json_body())
+    who = principal()
+    with services().db.connect() as conn:
+        checkpoint = checkpoints.get(conn, who, body.path)
+        source = sessions_core.get_session(conn, who, checkpoint.session_id)
+    if checkpoint.path.kind != "weights":
+        raise ValidationError(
+            f"{body.path} holds sampler weights; load a training checkpoint (tinker://.../weights/...)"
+        )
+    if body.optimizer and not checkpoint.has_optimizer:
+        raise ValidationError(f"{body.path} has no optimizer state; load it without the optimizer")
+    payload = {
+        "path": str(checkpoint.path),
+        "prefix": checkpoint.storage_prefix,
+        "optimizer": body.optimizer,
+        "base_model": source.base_model,
+        "lora_config": dict(source.lora_config),
+    }
+    if body.model_id is not None:  # legacy load_state into an existing model
+        if body.seq_id is None:
+            raise ValidationError("load_weights into model_id needs seq_id")
+        with services().db.connect() as conn:
+            target = sessions_core.get_session(conn, who, body.model_id)
+        if target.base_model != source.base_model:
+            raise ValidationError(
+                f"{body.path} was trained on {source.base_model}; model {target.id} uses {target.base_model}"
+            )
+        admission = submit(body.model_id, body.seq_id, "load_weights", payload)
+        return jsonify(request_id=admission.request_id, model_id=body.model_id)
+    if body.session_id is None or body.model_seq_id is None:
+        raise ValidationError(
+            "load_weights needs session_id and model_seq_id (or model_id and seq_id)"
+        )
+    if body.base_model is not None and body.base_model != source.base_model:
+        raise ValidationError(
+            f"{body.path} was trained on {source.base_model}, not {body.base_model}"
+        )
+    model_id = sessions_core.training_session_id(body.session_id, body.model_seq_id)
+    with services().db.begin() as conn:
+        sessions_core.get_client_session(conn, who, body.session_id)
+        sessions_core.create_session(
+            conn,
+            who,
+            session_id=model_id,
+            client_session_id=body.session_id,
+            kind="training",
+            base_model=source.base_model,
+            name=source.name,
+            lora_config=source.lora_config,
+            model_package_group=source.model_package_group,
+        )
+    place(model_id)
+    admission = submit(model_id, 0, "load_weights", {**payload, "create": True})
+    return jsonify(request_id=admission.request_id, model_id=model_id)
+
+
+# --- the registry (Tinker REST shape) -----------------------------------------------------
+
+
+def _training_run(
+    session: sessions_core.SessionRow, last: checkpoints.Checkpoint | None
+) -> dict[str, Any]:
+    return {
+        "training_run_id": session.id,
+        "base_model": session.base_model,
+        "model_owner": session.tenant_id,
+        "is_lora": True,
+        "lora_rank": session.lora_config.get("rank"),
+        "last_request_time": session.updated_at.isoformat() if session.updated_at else None,
+        "last_checkpoint": last.to_json() if last else None,
+        "user_metadata": dict(session.user_metadata or {}),
+        "training_session_name": session.name,
+        "model_package_group": session.model_package_group,
+        "status": session.status,
+    }
+
+
+@bp.get("/training_runs")
+def training_runs() -> Any:
+    limit = min(int(request.args.get("limit", 20)), 1000)
+    offset = int(request.args.get("offset", 0))
+    with services().db.connect() as conn:
+        runs = [s for s in sessions_core.list_sessions(conn, principal()) if s.kind == "training"]
+        page = runs[offset : offset + limit]
+        out = []
+        for s in page:
+            saved = checkpoints.list_for(conn, principal(), run_id=s.id)
+            out.append(_training_run(s, saved[-1] if saved else None))
+    return jsonify(
+        training_runs=out, cursor={"offset": offset, "limit": limit, "total_count": len(runs)}
+    )
+
+
+@bp.get("/training_runs/<run_id>")
+def training_run(run_id: str) -> Any:
+    with services().db.connect() as conn:
+        session = sessions_core.get_session(conn, principal(), run_id)
+        saved = checkpoints.list_for(conn, principal(), run_id=run_id)
+    return jsonify(_training_run(session, saved[-1] if saved else None))
+
+
+@bp.get("/training_runs/<run_id>/checkpoints")
+def run_checkpoints(run_id: str) -> Any:
+    with services().db.connect() as conn:
+        sessions_core.get_session(conn, principal(), run_id)
+        saved = checkpoints.list_for(conn, principal(), run_id=run_id)
+    return jsonify(checkpoints=[c.to_json() for c in saved])
+
+
+@bp.get("/checkpoints")
+def all_checkpoints() -> Any:
+    group = request.args.get("model_package_group")
+    limit = min(int(request.args.get("limit", 100)), 1000)
+    offset = int(request.args.get("offset", 0))
+    with services().db.connect() as conn:
+        saved = checkpoints.list_for(conn, principal(), group=group)
+    page = saved[offset : offset + limit]
+    return jsonify(
+        checkpoints=[c.to_json() for c in page],
+        cursor={"offset": offset, "limit": limit, "total_count": len(saved)},
+    )
+
+
+def _path(run_id: str, checkpoint_id: str) -> str:
+    return f"tinker://{run_id}/{checkpoint_id}"
+
+
+@bp.delete("/training_runs/<run_id>/checkpoints/<path:checkpoint_id>")
+def delete_checkpoint(run_id: str, checkpoint_id: str) -> Any:
+    svc = services()
+    with svc.db.begin() as conn:
+        checkpoint = checkpoints.delete(conn, principal(), _path(run_id, checkpoint_id))
+    svc.store.delete_prefix(checkpoint.storage_prefix)
+    return jsonify(deleted=str(checkpoint.path))
+
+
+@bp.put("/training_runs/<run_id>/checkpoints/<path:checkpoint_id>/ttl")
+@bp.post("/training_runs/<run_id>/checkpoints/<path:checkpoint_id>/ttl")
+def checkpoint_ttl(run_id: str, checkpoint_id: str) -> Any:
+    body = parse(CheckpointTtl, json_body() or {})
+    with services().db.begin() as conn:
+        checkpoint = checkpoints.set_ttl(
+            conn, principal(), _path(run_id, checkpoint_id), body.ttl_seconds
+        )
+    return jsonify(checkpoint.to_json())
+
+
+@bp.post("/weights_info")
+def weights_info() -> Any:
+    body = parse(WeightsInfo, json_body())
+    with services().db.connect() as conn:
+        checkpoint = checkpoints.get(conn, principal(), body.tinker_path)
+        session = sessions_core.get_session(conn, principal(), checkpoint.session_id)
+    return jsonify(
+        base_model=session.base_model,
+        is_lora=not checkpoint.is_merged,
+        lora_rank=session.lora_config.get("rank"),
+        train_unembed=session.lora_config.get("train_unembed"),
+        train_mlp=session.lora_config.get("train_mlp"),
+        train_attn=session.lora_config.get("train_attn"),
+    )
+
+
+# --- download (Treadle extension) ---------------------------------------------------------
+
+
+@bp.get("/treadle/checkpoints/files")
+def checkpoint_files() -> Any:
+    path = request.args.get("path", "")
+    svc = services()
+    with svc.db.connect() as conn:
+        checkpoint = checkpoints.get(conn, principal(), path)
+    store = svc.store
+    prefix = checkpoint.storage_prefix + "/"
+    files = [{"name": key[len(prefix) :], "size": store.size(key)} for key in store.list(prefix)]
+    return jsonify(checkpoint=checkpoint.to_json(), files=files)
+
+
+@bp.get("/treadle/checkpoints/file")
+def checkpoint_file() -> Any:
+    path, name = request.args.get("path", ""), request.args.get("name", "")
+    svc = services()
+    with svc.db.connect() as conn:
+        checkpoint = checkpoints.get(conn, principal(), path)
+    key = storage.validate_key(f"{checkpoint.storage_prefix}/{name}")
+    store = svc.store
+    if not store.exists(key):
+        raise NotFoundError(f"{path} has no file {name!r}")
+    tmp = Path(tempfile.mkdtemp(prefix="treadle-download-")) / "file"
+    store.get_file(key, tmp)
+    response = send_file(tmp, mimetype="application/octet-stream", download_name=Path(name).name)
+    response.call_on_close(lambda: shutil.rmtree(tmp.parent, ignore_errors=True))
+    return response

@@ -1,0 +1,261 @@
+"""Adapter and merged-model folders on disk: what `Engine.export_*` writes and `import_adapter` /
+`load_snapshot` read.
+
+An adapter folder is what peft's `save_pretrained` writes for a `LlamaForCausalLM` LoRA
+(`adapter_model.safetensors`, `adapter_config.json`), plus `treadle.json` (the full `LoraSpec`,
+base model and format version) and, optionally, `optimizer.safetensors` (the exact AdamW state,
+`<tensor name>.<step|exp_avg|exp_avg_sq>`). A merged folder is a plain Hugging Face model
+(config, float32 `model.safetensors`, generation config, tokenizer files) with every LoRA delta
+folded into its base weight, loadable with `transformers` alone.
+Must not import flask, sqlalchemy, celery or treadle.api.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from treadle.gpu_worker.lora import (
+    ATTN_TARGETS,
+    MLP_TARGETS,
+    UNEMBED_TARGETS,
+    LoraSpec,
+    LoraWeights,
+)
+from treadle.platform.errors import ValidationError
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "FORMAT_VERSION",
+    "OPTIMIZER_STATE",
+    "TREADLE_CONFIG",
+    "SavedAdapter",
+    "read_adapter",
+    "write_adapter",
+    "write_merged",
+]
+
+FORMAT_VERSION = 1
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+TREADLE_CONFIG = "treadle.json"
+OPTIMIZER_STATE = "optimizer.safetensors"
+
+OptimizerState = dict[str, dict[str, torch.Tensor]]
+
+
+@dataclass
+class SavedAdapter:
+    spec: LoraSpec
+    tensors: dict[str, np.ndarray]  # peft names -> float32
+    optimizer: OptimizerState | None  # None unless asked for
+
+
+def write_adapter(
+    folder: Path,
+    base_model: str,
+    spec: LoraSpec,
+    weights: LoraWeights,
+    optimizer: OptimizerState | None,
+) -> None:
+    """Write `weights` into `folder` (created if needed) as a peft adapter for `base_model`, with
+    `optimizer` (as `TrainableLora.optimizer_state` gives it) when not None."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: _cpu(t) for name, t in weights.tensors()}
+    safetensors.torch.save_file(tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    targets = sorted({name.rsplit(".", 1)[-1] for name in weights.A})
+    peft_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": targets,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "revision": None,
+    }
+    _write_json(folder / ADAPTER_CONFIG, peft_config)
+    _write_json(
+        folder / TREADLE_CONFIG,
+        {
+            "format": "treadle-lora",
+            "format_version": FORMAT_VERSION,
+            "base_model": base_model,
+            "lora": dataclasses.asdict(spec),
+            "has_optimizer": optimizer is not None,
+        },
+    )
+    (folder / OPTIMIZER_STATE).unlink(missing_ok=True)
+    if optimizer is not None:
+        flat = {f"{name}.{key}": _cpu(v) for name, e in optimizer.items() for key, v in e.items()}
+        safetensors.torch.save_file(flat, folder / OPTIMIZER_STATE, metadata={"format": "pt"})
+
+
+def read_adapter(folder: Path, base_model: str, *, with_optimizer: bool) -> SavedAdapter:
+    """The adapter in `folder` (as `write_adapter` or peft wrote it), checked to be for
+    `base_model`; its optimizer state only `with_optimizer`. ValidationError for a missing or
+    unreadable file, another base model or a configuration Treadle cannot run."""
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ValidationError(f"checkpoint has no {ADAPTER_WEIGHTS}; is it an adapter checkpoint?")
+    if (folder / TREADLE_CONFIG).is_file():
+        spec, saved_base = _treadle_spec(_read_json(folder / TREADLE_CONFIG))
+    elif (folder / ADAPTER_CONFIG).is_file():
+        spec, saved_base = _peft_spec(_read_json(folder / ADAPTER_CONFIG))
+    else:
+        raise ValidationError(f"checkpoint has neither {TREADLE_CONFIG} nor {ADAPTER_CONFIG}")
+    if saved_base is not None and saved_base != base_model:
+        raise ValidationError(
+            f"checkpoint was trained on base model {saved_base!r}, not {base_model!r}; load it "
+            f"into a session of {saved_base!r}"
+        )
+    tensors = {name: t.float().numpy() for name, t in _load_safetensors(folder / ADAPTER_WEIGHTS)}
+    optimizer: OptimizerState | None = None
+    if with_optimizer:
+        if not (folder / OPTIMIZER_STATE).is_file():
+            raise ValidationError(
+                f"checkpoint has no optimizer state ({OPTIMIZER_STATE}); load it without the "
+                "optimizer, or save one with it"
+            )
+        optimizer = {}
+        for key, value in _load_safetensors(folder / OPTIMIZER_STATE):
+            name, _, entry = key.rpartition(".")
+            optimizer.setdefault(name, {})[entry] = value
+    return SavedAdapter(spec, tensors, optimizer)
+
+
+def write_merged(
+    folder: Path, model: PreTrainedModel, weights: LoraWeights, tokenizer_files: Mapping[str, bytes]
+) -> None:
+    """Fold `weights` into `model` (a bare float32 CPU base model, changed in place: W += scale *
+    B @ A) and save it with `tokenizer_files` into `folder` as a Hugging Face model. If the
+    unembedding gets a delta but is tied to the embedding, it is untied first, so the embedding
+    keeps its base weights."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        assert isinstance(head, nn.Linear) and isinstance(embed, nn.Embedding)
+        head_delta = any(m.rsplit(".", 1)[-1] in UNEMBED_TARGETS for m in weights.A)
+        tied = head.weight is embed.weight or getattr(model.config, "tie_word_embeddings", False)
+        if head_delta and tied:
+            head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+            model.config.tie_word_embeddings = False
+        for module, a_r_in in weights.A.items():
+            linear = model.get_submodule(module)
+            assert isinstance(linear, nn.Linear)
+            delta = (weights.B[module].double().cpu() @ a_r_in.double().cpu()) * weights.scale
+            linear.weight.copy_((linear.weight.double() + delta).float())
+    model.save_pretrained(str(folder))
+    for name, data in tokenizer_files.items():
+        (folder / name).write_bytes(data)
+
+
+# -- internals -----------------------------------------------------------------------------------
+
+
+def _treadle_spec(config: Mapping[str, Any]) -> tuple[LoraSpec, str | None]:
+    version = config.get("format_version")
+    if config.get("format") != "treadle-lora" or version != FORMAT_VERSION:
+        raise ValidationError(
+            f"{TREADLE_CONFIG} is format {config.get('format')!r} version {version!r}; this "
+            f"worker reads treadle-lora version {FORMAT_VERSION}"
+        )
+    lora = config.get("lora")
+    fields = {f.name for f in dataclasses.fields(LoraSpec)}
+    if (
+        not isinstance(lora, dict)
+        or not {"rank", "alpha"} <= set(lora) <= fields
+        or not isinstance(lora["rank"], int)
+        or not isinstance(lora["alpha"], int | float)
+        or not all(isinstance(lora.get(k, True), bool) for k in fields - {"rank", "alpha", "seed"})
+        or not isinstance(lora.get("seed", 0), int)
+    ):
+        raise ValidationError(f"{TREADLE_CONFIG} has a malformed 'lora' entry: {lora!r}")
+    return LoraSpec(**lora), config.get("base_model")
+
+
+def _peft_spec(config: Mapping[str, Any]) -> tuple[LoraSpec, str | None]:
+    """The `LoraSpec` of a plain peft LoRA config, if Treadle can run it as one."""
+    problems = []
+    if config.get("peft_type") != "LORA":
+        problems.append(f"peft_type is {config.get('peft_type')!r}, not 'LORA'")
+    for key, fine in (
+        ("use_rslora", False),
+        ("use_dora", False),
+        ("fan_in_fan_out", False),
+        ("bias", "none"),
+    ):
+        if config.get(key, fine) != fine:
+            problems.append(f"{key} is {config.get(key)!r}; only {fine!r} is supported")
+    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
+        if config.get(key):
+            problems.append(f"{key} is set; per-layer settings are not supported")
+    targets = config.get("target_modules")
+    targets = {targets} if isinstance(targets, str) else set(targets or ())
+    groups = (ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS)
+    if not targets or targets != {t for g in groups if set(g) & targets for t in g}:
+        problems.append(
+            f"target_modules {sorted(targets)} is not a union of {[list(g) for g in groups]}"
+        )
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or not isinstance(alpha, int | float):
+        problems.append(f"r {rank!r} and lora_alpha {alpha!r} must be numbers")
+    if problems:
+        raise ValidationError(f"{ADAPTER_CONFIG} cannot be loaded: " + "; ".join(problems))
+    assert isinstance(rank, int) and isinstance(alpha, int | float)
+    spec = LoraSpec(
+        rank=rank,
+        alpha=float(alpha),
+        train_attn=bool(set(ATTN_TARGETS) & targets),
+        train_mlp=bool(set(MLP_TARGETS) & targets),
+        train_unembed=bool(set(UNEMBED_TARGETS) & targets),
+    )
+    return spec, config.get("base_model_name_or_path") or None
+
+
+def _load_safetensors(path: Path) -> list[tuple[str, torch.Tensor]]:
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            return [(key, f.get_tensor(key)) for key in f.keys()]  # noqa: SIM118  # not a dict
+    except Exception as exc:  # safetensors raises its own error types
+        raise ValidationError(f"cannot read {path.name}: {exc}") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValidationError(f"cannot read {path.name}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValidationError(f"{path.name} does not hold a JSON object")
+    return config
+
+
+def _write_json(path: Path, value: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True).contiguous()

@@ -1,0 +1,110 @@
+"""Checkpoint I/O on the worker: engine state <-> files <-> the object store.
+
+A training checkpoint (`weights/<name>`) is a PEFT adapter folder plus the optimizer state; a
+sampler checkpoint (`sampler_weights/<name>`) is the adapter folder, or with `merge_weights` a
+full Hugging Face model folder loadable by `transformers` alone. Files go under the storage
+prefix the API built for the tenant. Imports platform and the engine; never api.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from treadle.gpu_worker.engine import Engine
+from treadle.platform import checkpoints, events
+from treadle.platform.storage import ObjectStore
+
+
+def _upload(store: ObjectStore, folder: Path, prefix: str) -> int:
+    store.delete_prefix(prefix + "/")
+    size = 0
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        store.put_file(f"{prefix}/{path.relative_to(folder).as_posix()}", path)
+        size += path.stat().st_size
+    return size
+
+
+def _download(store: ObjectStore, prefix: str, folder: Path) -> None:
+    keys = store.list(prefix + "/")
+    if not keys:
+        raise FileNotFoundError(f"no files under {prefix}")
+    for key in keys:
+        target = folder / key[len(prefix) + 1 :]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        store.get_file(key, target)
+
+
+def save(
+    engine: Engine,
+    store: ObjectStore,
+    session_id: str,
+    tenant_id: str,
+    payload: Mapping[str, Any],
+) -> tuple[dict[str, Any], Callable[[sa.Connection], None]]:
+    """Write the checkpoint; returns the result and the registration to run at settlement."""
+    path = checkpoints.parse_path(payload["path"])
+    folder = Path(tempfile.mkdtemp(prefix="treadle-save-"))
+    try:
+        if payload["merge_weights"]:
+            engine.export_merged(session_id, folder)
+        else:
+            engine.export_adapter(session_id, folder, with_optimizer=payload["with_optimizer"])
+        size = _upload(store, folder, payload["prefix"])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def register(conn: sa.Connection) -> None:
+        saved = checkpoints.register(
+            conn,
+            tenant_id=tenant_id,
+            path=path,
+            storage_prefix=payload["prefix"],
+            size_bytes=size,
+            has_optimizer=payload["with_optimizer"],
+            is_merged=payload["merge_weights"],
+            ttl_seconds=payload["ttl_seconds"],
+        )
+        events.append(
+            conn,
+            session_id,
+            tenant_id,
+            "CheckpointSaved",
+            {"path": str(path), "version": saved.version, "group": saved.model_package_group,
+             "size_bytes": size, "merged": saved.is_merged},
+        )  # fmt: skip
+
+    return {"path": str(path)}, register
+
+
+def load(engine: Engine, store: ObjectStore, session_id: str, payload: Mapping[str, Any]) -> None:
+    """Load a training checkpoint into `session_id` (creating the adapter when it is new)."""
+    folder = Path(tempfile.mkdtemp(prefix="treadle-load-"))
+    try:
+        _download(store, payload["prefix"], folder)
+        if engine.has_adapter(session_id):
+            engine.drop_adapter(session_id)
+        engine.import_adapter(
+            session_id, payload["base_model"], folder, with_optimizer=payload["optimizer"]
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def ensure_snapshot(
+    engine: Engine, store: ObjectStore, snapshot_id: str, base_model: str, prefix: str
+) -> None:
+    """Make a checkpoint's adapter available to the sampler under `snapshot_id`."""
+    if engine.has_snapshot(snapshot_id):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="treadle-snapshot-"))
+    try:
+        _download(store, prefix, folder)
+        engine.load_snapshot(snapshot_id, base_model, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
