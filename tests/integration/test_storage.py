@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.s3_server import SeaweedS3
 from treadle.platform.config import PlatformConfig
-from treadle.platform.errors import NotFoundError, ValidationError
+from treadle.platform.errors import NotFoundError, UnavailableError, ValidationError
 from treadle.platform.storage import (
     LocalStore,
     ObjectStore,
@@ -335,6 +335,11 @@ def test_s3_bucket_creation_is_idempotent_and_race_safe(s3_server: SeaweedS3) ->
     stores[0].put_bytes("k", b"v")
     assert _s3_store(s3_server, bucket).get_bytes("k") == b"v"
     assert all(s.get_bytes("k") == b"v" for s in stores)
+
+
+def test_s3_with_wrong_credentials_is_unavailable_not_missing(s3_server: SeaweedS3) -> None:
+    with pytest.raises(UnavailableError, match=s3_server.endpoint_url):
+        S3Store(s3_server.endpoint_url, "any-bucket", "nobody", "wrong-secret")
 
 
 def test_store_from_config_picks_the_backend(s3_server: SeaweedS3, tmp_path: Path) -> None:
