@@ -156,3 +156,22 @@ def test_another_tenant_cannot_see_load_or_download(svc, platform, tmp_path: Pat
         ]
         == path
     )
+
+
+def test_ttl_expires_a_checkpoint_and_its_files(svc, platform) -> None:
+    import time
+
+    tc = svc.create_lora_training_client("treadle/tiny-debug", rank=4)
+    path = tc.save_state("short-lived", ttl_seconds=3600).result().path
+    registry = svc.checkpoints
+    assert registry.get(path)["checkpoint"]["expires_at"] is not None
+    prefix = Path(platform.data_dir) / "storage"
+    assert any(prefix.rglob("short-lived/*"))
+    registry.set_ttl(path, 1)
+    time.sleep(1.5)
+    with pytest.raises(RuntimeError, match="404"):
+        registry.get(path)
+    deadline = time.monotonic() + 15  # the workers' keeper deletes the files
+    while time.monotonic() < deadline and any(prefix.rglob("short-lived/*")):
+        time.sleep(0.5)
+    assert not any(prefix.rglob("short-lived/*"))

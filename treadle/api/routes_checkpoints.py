@@ -276,10 +276,10 @@ def checkpoint_file() -> Any:
     svc = services()
     with svc.db.connect() as conn:
         checkpoint = checkpoints.get(conn, principal(), path)
-    key = storage.validate_key(f"{checkpoint.storage_prefix}/{name}")
     store = svc.store
-    if not store.exists(key):
-        raise NotFoundError(f"{path} has no file {name!r}")
+    key = f"{checkpoint.storage_prefix}/{name}"
+    if key not in store.list(checkpoint.storage_prefix + "/"):  # serve only listed files
+        raise NotFoundError(f"{path} has no file {name!r}; see GET /api/v1/treadle/checkpoints/files")
     tmp = Path(tempfile.mkdtemp(prefix="treadle-download-")) / "file"
     store.get_file(key, tmp)
     response = send_file(tmp, mimetype="application/octet-stream", download_name=Path(name).name)

@@ -18,6 +18,7 @@ from tinker.lib.api_future_impl import _APIFuture
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 from tinker.lib.public_interfaces.training_client import fetch_training_info
 
+from treadle.client.checkpoints import CheckpointsClient
 from treadle.client.sampling import SamplingClient
 from treadle.client.training import TrainingClient
 
@@ -66,6 +67,11 @@ class ServiceClient:
         self._inner = tinker.ServiceClient(
             user_metadata=user_metadata, base_url=base_url, api_key=api_key
         )
+
+    @property
+    def checkpoints(self) -> CheckpointsClient:
+        """The checkpoint registry: list, get, delete, set_ttl, download."""
+        return CheckpointsClient(self.base_url, self.api_key)
 
     def list_base_models(self) -> list[str]:
         """Names of the base models this platform can train and sample."""

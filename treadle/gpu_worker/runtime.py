@@ -19,7 +19,7 @@ from celery.signals import worker_ready
 
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
-from treadle.platform import db, operations, routing, storage
+from treadle.platform import checkpoints, db, operations, routing, storage
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 
@@ -77,6 +77,10 @@ class LeaseKeeper(threading.Thread):
                 sessions_core.lease_session(conn, session_id, me, only_if_unleased=False)
             mine = sessions_core.sessions_leased_to(conn, me)
             stalled = operations.stale_pending(conn, mine, STALL_SECONDS)
+            expired = checkpoints.reap_expired(conn)
+        for checkpoint in expired:
+            self.host.store.delete_prefix(checkpoint.storage_prefix + "/")
+            log.info("deleted expired checkpoint %s", checkpoint.path)
         for session_id in mine:
             if session_id not in self.consuming:
                 routing.start_consuming(self.app, me, session_id)

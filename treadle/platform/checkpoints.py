@@ -247,3 +247,20 @@ def _checkpoint(row: sa.Row[Any]) -> Checkpoint:
         created_at=row.created_at,
         expires_at=row.expires_at,
     )
+
+
+def reap_expired(conn: sa.Connection, limit: int = 20) -> list[Checkpoint]:
+    """Mark checkpoints whose TTL has passed as deleted; returns them so their files can go."""
+    rows = conn.execute(
+        sa.select(checkpoints)
+        .where(checkpoints.c.deleted_at.is_(None), checkpoints.c.expires_at <= sa.func.now())
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all()
+    if rows:
+        conn.execute(
+            sa.update(checkpoints)
+            .where(checkpoints.c.id.in_([r.id for r in rows]))
+            .values(deleted_at=sa.func.now())
+        )
+    return [_checkpoint(r) for r in rows]
