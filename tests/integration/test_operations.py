@@ -152,3 +152,16 @@ def test_bad_requests_get_clear_4xx(platform) -> None:
     )
     assert bad_lr.status_code == 400 and "learning_rate" in bad_lr.json()["error"]["message"]
     assert client.post("optim_step", ["not", "an", "object"]).status_code == 400
+
+
+def test_stopping_a_session_fails_its_pending_operations(platform, engine) -> None:
+    client = WireClient(platform.base_url, platform.admin_key)
+    model_id = client.create_model()
+    waiting = client.optim_step(model_id, 2).json()["request_id"]  # seq 1 never comes
+    stop = client.http.post(f"/api/v1/treadle/sessions/{model_id}/stop")
+    assert stop.status_code == 200
+    failed = client.result(waiting, timeout=10)
+    assert failed["category"] == "user" and "stopped" in failed["error"]
+    assert client.optim_step(model_id, 1).status_code == 400  # no new work on a stopped model
+    types = [e.type for e in _op_events(engine, model_id)]
+    assert types[-2:] == ["SessionStopped", "OperationFailed"]

@@ -279,7 +279,9 @@ def checkpoint_file() -> Any:
     store = svc.store
     key = f"{checkpoint.storage_prefix}/{name}"
     if key not in store.list(checkpoint.storage_prefix + "/"):  # serve only listed files
-        raise NotFoundError(f"{path} has no file {name!r}; see GET /api/v1/treadle/checkpoints/files")
+        raise NotFoundError(
+            f"{path} has no file {name!r}; see GET /api/v1/treadle/checkpoints/files"
+        )
     tmp = Path(tempfile.mkdtemp(prefix="treadle-download-")) / "file"
     store.get_file(key, tmp)
     response = send_file(tmp, mimetype="application/octet-stream", download_name=Path(name).name)

@@ -11,7 +11,7 @@ from flask import Blueprint, jsonify
 
 from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import CreateSession, FinishSession, SessionRef, parse
-from treadle.platform import catalog, routing
+from treadle.platform import catalog, notify, operations, routing
 from treadle.platform import sessions as sessions_core
 
 bp = Blueprint("sessions", __name__)
@@ -83,8 +83,17 @@ def finish_session(session_id: str) -> Any:
     reason = str(body.reason.get("type", "success"))
     with svc.db.begin() as conn:
         stopped = sessions_core.finish_client_session(conn, principal(), session_id, reason)
+        failed = [
+            request_id
+            for model_id in stopped
+            for request_id in operations.fail_pending(
+                conn, model_id, f"session {session_id} was finished"
+            )
+        ]
     for model_id in stopped:
         routing.request_stop(svc.celery, model_id)
+    for request_id in failed:
+        notify.publish_done(svc.redis, request_id)
     return jsonify(session_id=session_id, stopped=stopped)
 
 

@@ -12,7 +12,7 @@ from flask import Blueprint, jsonify, request
 
 from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import CreateTenant, parse
-from treadle.platform import catalog, events, routing, tenants, tokenizers
+from treadle.platform import catalog, events, notify, operations, routing, tenants, tokenizers
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import PermissionDeniedError, ValidationError
 
@@ -52,8 +52,11 @@ def stop(model_id: str) -> Any:
     svc = services()
     with svc.db.begin() as conn:
         stopped = sessions_core.stop_session(conn, principal(), model_id, "stopped by client")
+        failed = operations.fail_pending(conn, model_id, f"model {model_id} was stopped")
     if stopped:
         routing.request_stop(svc.celery, model_id)
+    for request_id in failed:
+        notify.publish_done(svc.redis, request_id)
     return jsonify(model_id=model_id, status="Stopped")
 
 

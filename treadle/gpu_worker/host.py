@@ -36,7 +36,9 @@ from treadle.platform.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
-GAP_TIMEOUT_SECONDS = 15.0
+# Long enough for a client's own work between reserved seq_ids (forward_backward_custom computes
+# its loss locally between two of them); a seq_id refused at admission stalls later ones this long.
+GAP_TIMEOUT_SECONDS = 60.0
 REPLAYED_TYPES = (
     "create_model",
     "load_weights",

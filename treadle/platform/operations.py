@@ -318,3 +318,32 @@ def skip_gap(
         },
     )
     return True
+
+
+def fail_pending(conn: sa.Connection, session_id: str, reason: str) -> list[str]:
+    """Fail every pending operation of a stopped session, so no client waits on it forever.
+
+    A worker finishing one of them concurrently finds it settled and drops its result.
+    """
+    rows = conn.execute(
+        sa.select(operations)
+        .where(operations.c.session_id == session_id, operations.c.status == "pending")
+        .order_by(operations.c.seq_id)
+        .with_for_update()
+    ).all()
+    error = {"category": "user", "code": "session_stopped", "message": reason}
+    for row in rows:
+        events.append(
+            conn,
+            session_id,
+            row.tenant_id,
+            "OperationFailed",
+            {"request_id": row.request_id, "seq_id": row.seq_id, "type": row.type, "error": error},
+        )
+    if rows:
+        conn.execute(
+            sa.update(operations)
+            .where(operations.c.request_id.in_([r.request_id for r in rows]))
+            .values(status="failed", error=error, completed_at=sa.func.now())
+        )
+    return [r.request_id for r in rows]

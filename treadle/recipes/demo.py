@@ -17,7 +17,7 @@ from treadle.platform.embedded import free_port
 from treadle.recipes.platform_process import LocalPlatform
 
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-STEPS = 24
+STEPS = 20
 BATCH = 8
 
 FACTS = [
@@ -77,14 +77,16 @@ def main() -> int:
                 batch = [rng.choice(data) for _ in range(BATCH)]
                 n_tokens = sum(sum(d.loss_fn_inputs["weights"].data) for d in batch)
                 fb = tc.forward_backward(batch, loss_fn="cross_entropy")
-                tc.optim_step(treadle.AdamParams(learning_rate=2e-3))
+                tc.optim_step(treadle.AdamParams(learning_rate=1e-3))
                 loss = fb.result().metrics["loss:sum"] / n_tokens
                 losses.append(loss)
                 print(
-                    f"[demo] step {step + 1:2d}/{STEPS}  loss/token {loss:.3f}  ({time.monotonic() - started:.0f} s)"
+                    f"[demo] step {step + 1:2d}/{STEPS}  loss/token {loss:.4f}  ({time.monotonic() - started:.0f} s)"
                 )
             after = answer(tc.save_weights_and_get_sampling_client(), tokenizer, probe)
             print(f"[demo] after:  Q: {probe}\n[demo]         A: {after}")
+            saved = tc.save_state("demo-facts-final").result().path
+            print(f"[demo] saved adapter + optimizer state as {saved}")
         svc.close()
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     print(f"[demo] loss/token fell from {first:.3f} to {last:.3f}; platform stopped; "
