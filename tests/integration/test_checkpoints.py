@@ -175,3 +175,26 @@ def test_ttl_expires_a_checkpoint_and_its_files(svc, platform) -> None:
     while time.monotonic() < deadline and any(prefix.rglob("short-lived/*")):
         time.sleep(0.5)
     assert not any(prefix.rglob("short-lived/*"))
+
+
+def test_cli_lists_sets_ttl_and_deletes(svc, platform) -> None:
+    import json
+
+    tc = svc.create_lora_training_client("treadle/tiny-debug", rank=4, model_package_group="cli-group")
+    path = tc.save_state("via-cli").result().path
+    env = {**os.environ, "TREADLE_BASE_URL": platform.base_url, "TREADLE_API_KEY": platform.admin_key}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "treadle.cli", "checkpoints", *args],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    listed = json.loads(cli("list", "--group", "cli-group").stdout)
+    assert [c["tinker_path"] for c in listed] == [path] and listed[0]["version"] == 1
+    assert json.loads(cli("ttl", path, "600").stdout)["expires_at"] is not None
+    assert json.loads(cli("get", path).stdout)["files"]
+    assert cli("delete", path).returncode == 0
+    gone = cli("get", path)
+    assert gone.returncode == 1 and "404" in gone.stderr
+    assert json.loads(cli("list", "--group", "cli-group").stdout) == []
