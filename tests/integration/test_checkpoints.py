@@ -180,9 +180,15 @@ def test_ttl_expires_a_checkpoint_and_its_files(svc, platform) -> None:
 def test_cli_lists_sets_ttl_and_deletes(svc, platform) -> None:
     import json
 
-    tc = svc.create_lora_training_client("treadle/tiny-debug", rank=4, model_package_group="cli-group")
+    tc = svc.create_lora_training_client(
+        "treadle/tiny-debug", rank=4, model_package_group="cli-group"
+    )
     path = tc.save_state("via-cli").result().path
-    env = {**os.environ, "TREADLE_BASE_URL": platform.base_url, "TREADLE_API_KEY": platform.admin_key}
+    env = {
+        **os.environ,
+        "TREADLE_BASE_URL": platform.base_url,
+        "TREADLE_API_KEY": platform.admin_key,
+    }
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -165,3 +166,31 @@ def test_stopping_a_session_fails_its_pending_operations(platform, engine) -> No
     assert client.optim_step(model_id, 1).status_code == 400  # no new work on a stopped model
     types = [e.type for e in _op_events(engine, model_id)]
     assert types[-2:] == ["SessionStopped", "OperationFailed"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("get_info", {"model_id": "nul\x00"}),
+        ("optim_step", {"model_id": "m", "seq_id": 2**70}),
+        (
+            "optim_step",
+            {"model_id": "m", "seq_id": 1, "adam_params": {"learning_rate": float("inf")}},
+        ),
+        ("session_heartbeat", {"session_id": "\x00"}),
+        ("retrieve_future", {"request_id": "req-\x00"}),
+        ("save_weights", {"model_id": "m", "seq_id": 1, "path": "ok", "ttl_seconds": 2**62}),
+    ],
+)
+def test_hostile_values_are_400_not_500(platform, route: str, body: dict) -> None:
+    client = WireClient(platform.base_url, platform.admin_key)
+    response = client.http.post(
+        f"/api/v1/{route}", content=json.dumps(body), headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+
+
+def test_bad_query_parameters_are_400(platform) -> None:
+    client = WireClient(platform.base_url, platform.admin_key)
+    assert client.http.get("/api/v1/training_runs", params={"limit": "abc"}).status_code == 400
+    assert client.http.get("/api/v1/checkpoints", params={"offset": "-1"}).status_code == 400

@@ -18,7 +18,7 @@ from werkzeug.exceptions import HTTPException
 
 from treadle.platform import db, storage, tenants
 from treadle.platform.config import PlatformConfig
-from treadle.platform.errors import TreadleError
+from treadle.platform.errors import TreadleError, ValidationError
 from treadle.platform.routing import make_celery
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ def create_app(config: PlatformConfig) -> Flask:
 
     @app.before_request
     def authenticate() -> None:
+        if "\x00" in request.path or "\x00" in request.query_string.decode("latin-1"):
+            raise ValidationError("the URL contains a NUL character; remove it")
         if request.path in PUBLIC_PATHS:
             return
         with svc.db.connect() as conn:
@@ -109,3 +111,17 @@ def create_app(config: PlatformConfig) -> Flask:
 
 def json_body() -> Any:
     return request.get_json(force=True, silent=True)
+
+
+def int_arg(name: str, default: int, low: int, high: int) -> int:
+    """An integer query parameter within [low, high]; a 400 otherwise."""
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValidationError(f"query parameter {name} must be an integer, got {raw!r}") from None
+    if not low <= value <= high:
+        raise ValidationError(f"query parameter {name} must be between {low} and {high}")
+    return value

@@ -13,7 +13,7 @@ from typing import Any
 from flask import Blueprint, jsonify, request, send_file
 
 from treadle.api.admission import place, submit
-from treadle.api.app import json_body, principal, services
+from treadle.api.app import int_arg, json_body, principal, services
 from treadle.api.schemas import (
     CheckpointTtl,
     LoadWeights,
@@ -171,8 +171,8 @@ def _training_run(
 
 @bp.get("/training_runs")
 def training_runs() -> Any:
-    limit = min(int(request.args.get("limit", 20)), 1000)
-    offset = int(request.args.get("offset", 0))
+    limit = int_arg("limit", 20, 1, 1000)
+    offset = int_arg("offset", 0, 0, 2**31)
     with services().db.connect() as conn:
         runs = [s for s in sessions_core.list_sessions(conn, principal()) if s.kind == "training"]
         page = runs[offset : offset + limit]
@@ -204,8 +204,8 @@ def run_checkpoints(run_id: str) -> Any:
 @bp.get("/checkpoints")
 def all_checkpoints() -> Any:
     group = request.args.get("model_package_group")
-    limit = min(int(request.args.get("limit", 100)), 1000)
-    offset = int(request.args.get("offset", 0))
+    limit = int_arg("limit", 100, 1, 1000)
+    offset = int_arg("offset", 0, 0, 2**31)
     with services().db.connect() as conn:
         saved = checkpoints.list_for(conn, principal(), group=group)
     page = saved[offset : offset + limit]

@@ -12,9 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from treadle.platform.errors import ValidationError
 
+MAX_ID = 2**62  # seq ids and counters fit a BIGINT with room to spare
+MAX_TTL = 10 * 365 * 24 * 3600
+
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
 
 class CreateSession(Body):
@@ -42,7 +45,7 @@ class LoraConfig(Body):
 
 class CreateModel(Body):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, le=MAX_ID)
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig = Field(default_factory=lambda: LoraConfig())
@@ -65,26 +68,26 @@ class AdamParams(Body):
 
 class OptimStep(Body):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: int = Field(ge=1, le=MAX_ID)
     adam_params: AdamParams = Field(default_factory=lambda: AdamParams())
     optimizer_params: dict[str, Any] | None = None
 
 
 class SaveWeightsForSampler(Body):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: int = Field(ge=1, le=MAX_ID)
     path: str | None = None
-    sampling_session_seq_id: int | None = Field(None, ge=0)
+    sampling_session_seq_id: int | None = Field(None, ge=0, le=MAX_ID)
     kind: str | None = None
-    ttl_seconds: int | None = Field(None, ge=1)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL)
     merge_weights: bool = False
 
 
 class SaveWeights(Body):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: int = Field(ge=1, le=MAX_ID)
     path: str
-    ttl_seconds: int | None = Field(None, ge=1)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL)
     overwrite: bool = True
 
 
@@ -93,15 +96,15 @@ class LoadWeights(Body):
     optimizer: bool = False
     # create-via-load (create_training_client_from_state[_with_optimizer])
     session_id: str | None = None
-    model_seq_id: int | None = Field(None, ge=0)
+    model_seq_id: int | None = Field(None, ge=0, le=MAX_ID)
     base_model: str | None = None
     # legacy load_state into an existing model
     model_id: str | None = None
-    seq_id: int | None = Field(None, ge=1)
+    seq_id: int | None = Field(None, ge=1, le=MAX_ID)
 
 
 class CheckpointTtl(Body):
-    ttl_seconds: int | None = Field(None, ge=1)
+    ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL)
 
 
 class WeightsInfo(Body):
@@ -110,7 +113,7 @@ class WeightsInfo(Body):
 
 class CreateSamplingSession(Body):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: int = Field(ge=0, le=MAX_ID)
     base_model: str | None = None
     model_path: str | None = None
 
@@ -125,7 +128,7 @@ class ModelInput(Body):
 
 
 class SamplingParams(Body):
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_ID)
     seed: int | None = None
     stop: str | list[str] | list[int] | None = None
     temperature: float = Field(1.0, ge=0)
@@ -137,14 +140,14 @@ class Sample(Body):
     sampling_session_id: str | None = None
     base_model: str | None = None
     model_path: str | None = None
-    seq_id: int = Field(0, ge=0)
+    seq_id: int = Field(0, ge=0, le=MAX_ID)
     num_samples: int = Field(1, ge=1, le=128)
     prompt: ModelInput
     sampling_params: SamplingParams = Field(default_factory=lambda: SamplingParams())
     prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = Field(0, ge=0)
-    topk_sample_logprobs: int = Field(0, ge=0)
-    prompt_alt_tokens_k: int = Field(0, ge=0)
+    topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_ID)
+    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_ID)
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_ID)
     prompt_logprobs_last_n: int | None = None
 
 
@@ -162,10 +165,25 @@ class CreateTenant(Body):
 B = TypeVar("B", bound=Body)
 
 
+def reject_nul(value: Any, where: str = "body") -> None:
+    """PostgreSQL text cannot hold NUL; no identifier or name of ours may contain it."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValidationError(f"{where} contains a NUL character; remove it")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            reject_nul(key, where)
+            reject_nul(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            reject_nul(item, f"{where}[{i}]")
+
+
 def parse(model: type[B], payload: Any) -> B:
     """Validate a JSON body; a failure is a 400 that names each bad field."""
     if not isinstance(payload, dict):
         raise ValidationError("the request body must be a JSON object")
+    reject_nul(payload)
     try:
         return model.model_validate(payload)
     except pydantic.ValidationError as exc:

@@ -36,6 +36,8 @@ def decode_forward_backward(body: bytes) -> dict[str, Any]:
             f"forward_backward body is not a valid ForwardBackwardRequest protobuf ({exc}); "
             "send it with Content-Type: application/x-protobuf as the tinker SDK does"
         ) from exc
+    if any("\x00" in k for k in [*msg.loss_fn_config, *msg.loss_fn_config_v2]):
+        raise ValidationError("a loss_fn_config key contains a NUL character")
     config: dict[str, float] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "number":
@@ -44,6 +46,8 @@ def decode_forward_backward(body: bytes) -> dict[str, Any]:
             raise ValidationError(
                 f"loss_fn_config[{key!r}] is a string; only numeric loss_fn_config values are accepted"
             )
+    if "\x00" in msg.model_id or "\x00" in msg.loss_fn:
+        raise ValidationError("model_id and loss_fn may not contain NUL characters")
     data = [_datum(i, d) for i, d in enumerate(msg.data)]
     return {
         "model_id": msg.model_id,
@@ -67,6 +71,8 @@ def _datum(index: int, d: pb.Datum) -> dict[str, Any]:
                 "are supported by this server"
             )
         tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+    if any("\x00" in name for name in d.loss_fn_inputs):
+        raise ValidationError(f"datum {index}: a loss_fn_inputs name contains a NUL character")
     inputs = {name: _tensor(index, name, t) for name, t in d.loss_fn_inputs.items()}
     return {"tokens": tokens, "loss_fn_inputs": inputs}
 
