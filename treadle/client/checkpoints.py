@@ -6,6 +6,7 @@ Imports nothing from the server side.
 
 from __future__ import annotations
 
+import builtins
 import os
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,9 @@ class CheckpointsClient:
             raise RuntimeError(f"{response.status_code}: {message}")
         return response.json()
 
-    def list(self, *, run_id: str | None = None, group: str | None = None) -> list[dict[str, Any]]:
+    def list(
+        self, *, run_id: str | None = None, group: str | None = None
+    ) -> builtins.list[dict[str, Any]]:
         if run_id:
             return self._ok(self.http.get(f"/api/v1/training_runs/{run_id}/checkpoints"))[
                 "checkpoints"
@@ -66,7 +69,7 @@ class CheckpointsClient:
         url = f"/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}/ttl"
         return self._ok(self.http.put(url, json={"ttl_seconds": ttl_seconds}))  # type: ignore[no-any-return]
 
-    def download(self, path: str, folder: Path) -> list[Path]:
+    def download(self, path: str, folder: Path) -> builtins.list[Path]:
         """Write the checkpoint's files (a PEFT adapter folder or a merged model folder)."""
         files = self.get(path)["files"]
         written = []
