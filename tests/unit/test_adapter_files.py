@@ -18,7 +18,6 @@ from engine_support import (
     TINY,
     logprobs,
     new_adapter,
-    shared_cache_dir,
     train,
 )
 
@@ -28,11 +27,6 @@ from treadle.platform.catalog import SMOLLM2_NAME
 from treadle.platform.errors import ConflictError, ValidationError
 
 ALL_PARTS = LoraSpec(rank=4, alpha=8.0, seed=5, train_attn=True, train_mlp=True)
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    return Engine(cache_dir=shared_cache_dir(tmp_path_factory), device="cpu")
 
 
 @pytest.fixture(scope="module")

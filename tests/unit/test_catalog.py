@@ -17,14 +17,6 @@ from treadle.platform import catalog, tokenizers  # noqa: E402
 from treadle.platform.errors import ValidationError  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Same folder as test_engine's fixture: the tokenizer is built once per test session.
-    path = tmp_path_factory.getbasetemp() / "treadle-cache"
-    path.mkdir(exist_ok=True)
-    return path
-
-
 def test_catalog_lists_tiny_debug_and_smollm2() -> None:
     names = [info.name for info in catalog.list_base_models()]
     assert names == ["treadle/tiny-debug", "HuggingFaceTB/SmolLM2-135M-Instruct"]

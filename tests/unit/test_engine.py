@@ -18,7 +18,6 @@ from engine_support import (
     logprobs,
     new_adapter,
     randomise_b,
-    shared_cache_dir,
     train,
 )
 
@@ -26,16 +25,6 @@ from treadle.gpu_worker import models
 from treadle.gpu_worker.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
 from treadle.platform.catalog import SMOLLM2_NAME
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return shared_cache_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def engine(cache_dir: Path) -> Engine:
-    return Engine(cache_dir=cache_dir, device="cpu")
 
 
 def bare_base_logprobs(cache_dir: Path, datum: EngineDatum) -> np.ndarray:

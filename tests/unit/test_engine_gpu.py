@@ -20,7 +20,6 @@ from engine_support import (
     ce_datum,
     logprobs,
     new_adapter,
-    shared_cache_dir,
     train,
 )
 
@@ -31,11 +30,6 @@ pytestmark = pytest.mark.gpu
 
 TINY_LP_TOL = 0.02  # tiny-debug's logits are ~0.1: bf16 rounding moves its logprobs ~1e-3
 SMOLLM2_LP_TOL = 0.25  # real logits of ~10-30 round to ~0.1 in bf16
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return shared_cache_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from engine_support import (
     new_adapter,
     randomise_b,
     reference_logprobs,
-    shared_cache_dir,
 )
 
 from treadle.gpu_worker.engine import Engine, EngineDatum, LoraSpec
@@ -30,16 +29,6 @@ from treadle.gpu_worker.engine import Engine, EngineDatum, LoraSpec
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 SMALL_LORA = LoraSpec(rank=2, alpha=4.0, seed=11)  # scale 2: the delta is not negligible
 TOKENS, TARGETS = (11, 2222, 333), (2222, 333, 44)
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return shared_cache_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def engine(cache_dir: Path) -> Engine:
-    return Engine(cache_dir=cache_dir, device="cpu")
 
 
 def documented_loss(

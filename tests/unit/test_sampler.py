@@ -15,23 +15,11 @@ from engine_support import (
     ce_datum,
     logprobs,
     new_adapter,
-    shared_cache_dir,
     train,
 )
 
 from treadle.gpu_worker.engine import Engine, SamplingSpec
 from treadle.platform.errors import ValidationError
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return shared_cache_dir(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def engine(cache_dir: Path) -> Engine:
-    return Engine(cache_dir=cache_dir, device="cpu")
-
 
 GREEDY = SamplingSpec(max_tokens=6, temperature=0.0, stop=())
 
