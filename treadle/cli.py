@@ -94,14 +94,16 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 def cmd_migrate(config: PlatformConfig) -> int:
     from treadle.platform import db
-    from treadle.platform.embedded import EmbeddedServices
+    from treadle.platform.embedded import EmbeddedPostgres
 
-    embedded = EmbeddedServices(config.data_dir)
-    url, _ = embedded.start(config.database_url, "unused")
-    try:
-        db.migrate(url)
-    finally:
-        embedded.stop()
+    if config.database_url:
+        db.migrate(config.database_url)
+    else:
+        embedded = EmbeddedPostgres(config.data_dir / "postgres")
+        try:
+            db.migrate(embedded.start())
+        finally:
+            embedded.stop()
     print("schema is at the latest version")
     return 0
 

@@ -205,3 +205,51 @@ def test_cli_lists_sets_ttl_and_deletes(svc, platform) -> None:
     gone = cli("get", path)
     assert gone.returncode == 1 and "404" in gone.stderr
     assert json.loads(cli("list", "--group", "cli-group").stdout) == []
+
+
+def test_saving_over_an_existing_name_needs_overwrite(platform) -> None:
+    client = WireClient(platform.base_url, platform.admin_key)
+    model_id = client.create_model()
+    first = client.post("save_weights", {"model_id": model_id, "seq_id": 1, "path": "same"}).json()
+    client.result(first["request_id"])
+    again = client.post("save_weights", {"model_id": model_id, "seq_id": 2, "path": "same"})
+    assert again.status_code == 400 and "overwrite" in again.json()["error"]["message"]
+    forced = client.post(
+        "save_weights", {"model_id": model_id, "seq_id": 2, "path": "same", "overwrite": True}
+    ).json()
+    assert client.result(forced["request_id"])["path"].endswith("/weights/same")
+    listed = client.http.get(f"/api/v1/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert [c["version"] for c in listed] == [2]  # the replaced version leaves the live list
+
+
+def test_registry_speaks_the_tinker_rest_shape(svc, platform) -> None:
+    import tinker
+
+    tc = svc.create_lora_training_client("treadle/tiny-debug", rank=4, training_session_name="rest")
+    path = tc.save_state("rest-a").result().path
+    rest = tinker.RestClient(base_url=platform.base_url, api_key=platform.admin_key)
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.training_run_id == tc.model_id and run.base_model == "treadle/tiny-debug"
+    assert run.is_lora and run.lora_rank == 4
+    assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == path
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [(c.checkpoint_id, c.checkpoint_type) for c in listed] == [
+        ("weights/rest-a", "training")
+    ]
+    runs = rest.list_training_runs(limit=1000).result()
+    assert tc.model_id in [r.training_run_id for r in runs.training_runs]
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert info.base_model == "treadle/tiny-debug" and info.is_lora
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+
+
+def test_load_state_into_a_live_session(svc, ckpts, tmp_path: Path) -> None:
+    tc = svc.create_lora_training_client("treadle/tiny-debug", rank=4, seed=8)
+    _train(tc, 2)
+    saved = tc.save_state("two").result().path
+    _train(tc, 2)  # move away, then come back
+    tc.load_state_with_optimizer(saved).result()
+    back = _weights(ckpts, tc.save_state("back").result().path, tmp_path / "back")
+    original = _weights(ckpts, saved, tmp_path / "orig")
+    assert all(np.array_equal(back[k], original[k]) for k in original)

@@ -194,3 +194,12 @@ def test_bad_query_parameters_are_400(platform) -> None:
     client = WireClient(platform.base_url, platform.admin_key)
     assert client.http.get("/api/v1/training_runs", params={"limit": "abc"}).status_code == 400
     assert client.http.get("/api/v1/checkpoints", params={"offset": "-1"}).status_code == 400
+
+
+def test_heartbeat_answers_until_the_session_is_finished(platform) -> None:
+    client = WireClient(platform.base_url, platform.admin_key)
+    session_id = client.post("create_session", {}).json()["session_id"]
+    beat = client.post("session_heartbeat", {"session_id": session_id, "type": "session_heartbeat"})
+    assert beat.status_code == 200 and beat.json() == {"type": "session_heartbeat"}
+    client.post(f"sessions/{session_id}/finish", {"reason": {"type": "success"}})
+    assert client.post("session_heartbeat", {"session_id": session_id}).status_code == 410

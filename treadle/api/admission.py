@@ -5,8 +5,10 @@ Shared by the training and sampling routes. Imports platform only; never torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import sqlalchemy as sa
 
 from treadle.api.app import principal, services
 from treadle.platform import operations, routing
@@ -20,12 +22,16 @@ def submit(
     payload: Mapping[str, Any],
     *,
     sampler_id: str | None = None,
+    with_request: Callable[[sa.Connection], None] | None = None,
 ) -> operations.Admission:
+    """Append the request (after `with_request`, in the same transaction), then wake its worker."""
     svc = services()
     with svc.db.begin() as conn:
         admission = operations.admit(
             conn, principal(), session_id, seq_id, op_type, payload, sampler_id=sampler_id
         )
+        if admission.is_new and with_request is not None:
+            with_request(conn)
     if admission.is_new:
         routing.wake(svc.celery, session_id, admission.request_id)
     return admission

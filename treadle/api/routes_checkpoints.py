@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
 from flask import Blueprint, jsonify, request, send_file
 
 from treadle.api.admission import place, submit
@@ -33,20 +34,47 @@ def checkpoint_prefix(tenant_id: str, path: checkpoints.CheckpointPath) -> str:
     return storage.tenant_key(tenant_id, "sessions", path.run_id, path.kind, path.name)
 
 
-@bp.post("/save_weights")
-def save_weights() -> Any:
-    body = parse(SaveWeights, json_body())
-    name = checkpoints.validate_name(body.path)
-    path = checkpoints.CheckpointPath(body.model_id, "weights", name)
+def _submit_save(
+    model_id: str,
+    seq_id: int,
+    kind: str,
+    name: str,
+    *,
+    ttl_seconds: int | None,
+    with_optimizer: bool,
+    merge_weights: bool,
+    overwrite: bool = True,
+) -> Any:
+    """Admit a checkpoint save: the worker writes the files and registers the version."""
+    path = checkpoints.CheckpointPath(model_id, kind, checkpoints.validate_name(name))
+    if not overwrite:
+        with services().db.connect() as conn:
+            if checkpoints.exists(conn, principal(), path):
+                raise ValidationError(f"{path} already exists; pass overwrite=true or another name")
     payload = {
         "path": str(path),
         "prefix": checkpoint_prefix(principal().tenant_id, path),
-        "ttl_seconds": body.ttl_seconds,
-        "with_optimizer": True,
-        "merge_weights": False,
+        "ttl_seconds": ttl_seconds,
+        "with_optimizer": with_optimizer,
+        "merge_weights": merge_weights,
     }
-    admission = submit(body.model_id, body.seq_id, "save_weights", payload)
-    return jsonify(request_id=admission.request_id, model_id=body.model_id)
+    admission = submit(model_id, seq_id, "save_weights", payload)
+    return jsonify(request_id=admission.request_id, model_id=model_id)
+
+
+@bp.post("/save_weights")
+def save_weights() -> Any:
+    body = parse(SaveWeights, json_body())
+    return _submit_save(
+        body.model_id,
+        body.seq_id,
+        "weights",
+        body.path,
+        ttl_seconds=body.ttl_seconds,
+        with_optimizer=True,
+        merge_weights=False,
+        overwrite=body.overwrite,
+    )
 
 
 @bp.post("/save_weights_for_sampler")
@@ -55,26 +83,26 @@ def save_weights_for_sampler() -> Any:
     if body.kind not in (None, "snapshot"):
         raise ValidationError(f"kind {body.kind!r} is not supported; use 'snapshot'")
     if body.path is not None:
-        name = checkpoints.validate_name(body.path)
-        path = checkpoints.CheckpointPath(body.model_id, "sampler_weights", name)
-        payload = {
-            "path": str(path),
-            "prefix": checkpoint_prefix(principal().tenant_id, path),
-            "ttl_seconds": body.ttl_seconds,
-            "with_optimizer": False,
-            "merge_weights": body.merge_weights,
-        }
-        admission = submit(body.model_id, body.seq_id, "save_weights", payload)
-        return jsonify(request_id=admission.request_id, model_id=body.model_id)
+        return _submit_save(
+            body.model_id,
+            body.seq_id,
+            "sampler_weights",
+            body.path,
+            ttl_seconds=body.ttl_seconds,
+            with_optimizer=False,
+            merge_weights=body.merge_weights,
+        )
     if body.sampling_session_seq_id is None:
         raise ValidationError(
             "save_weights_for_sampler needs a path (a name) or sampling_session_seq_id"
         )
     if body.merge_weights:
         raise ValidationError("merge_weights needs a named checkpoint: pass path=<name>")
-    with services().db.begin() as conn:
+    with services().db.connect() as conn:
         session = sessions_core.get_session(conn, principal(), body.model_id)
-        sampler = sessions_core.sampler_id(session.client_session_id, body.sampling_session_seq_id)
+    sampler = sessions_core.sampler_id(session.client_session_id, body.sampling_session_seq_id)
+
+    def create_sampler(conn: sa.Connection) -> None:
         sessions_core.create_sampler(
             conn,
             principal(),
@@ -84,8 +112,13 @@ def save_weights_for_sampler() -> Any:
             base_model=session.base_model,
             snapshot_id=sampler,
         )
+
     admission = submit(
-        body.model_id, body.seq_id, "save_weights_for_sampler", {"sampler_id": sampler}
+        body.model_id,
+        body.seq_id,
+        "save_weights_for_sampler",
+        {"sampler_id": sampler},
+        with_request=create_sampler,
     )
     return jsonify(request_id=admission.request_id, model_id=body.model_id)
 
@@ -174,14 +207,13 @@ def training_runs() -> Any:
     limit = int_arg("limit", 20, 1, 1000)
     offset = int_arg("offset", 0, 0, 2**31)
     with services().db.connect() as conn:
-        runs = [s for s in sessions_core.list_sessions(conn, principal()) if s.kind == "training"]
-        page = runs[offset : offset + limit]
-        out = []
-        for s in page:
-            saved = checkpoints.list_for(conn, principal(), run_id=s.id)
-            out.append(_training_run(s, saved[-1] if saved else None))
+        page, total = sessions_core.list_sessions(
+            conn, principal(), kind="training", limit=limit, offset=offset
+        )
+        latest = checkpoints.latest_for(conn, principal(), [s.id for s in page])
+    out = [_training_run(s, latest.get(s.id)) for s in page]
     return jsonify(
-        training_runs=out, cursor={"offset": offset, "limit": limit, "total_count": len(runs)}
+        training_runs=out, cursor={"offset": offset, "limit": limit, "total_count": total}
     )
 
 
@@ -189,15 +221,15 @@ def training_runs() -> Any:
 def training_run(run_id: str) -> Any:
     with services().db.connect() as conn:
         session = sessions_core.get_session(conn, principal(), run_id)
-        saved = checkpoints.list_for(conn, principal(), run_id=run_id)
-    return jsonify(_training_run(session, saved[-1] if saved else None))
+        latest = checkpoints.latest_for(conn, principal(), [run_id])
+    return jsonify(_training_run(session, latest.get(run_id)))
 
 
 @bp.get("/training_runs/<run_id>/checkpoints")
 def run_checkpoints(run_id: str) -> Any:
     with services().db.connect() as conn:
         sessions_core.get_session(conn, principal(), run_id)
-        saved = checkpoints.list_for(conn, principal(), run_id=run_id)
+        saved, _ = checkpoints.list_for(conn, principal(), run_id=run_id)
     return jsonify(checkpoints=[c.to_json() for c in saved])
 
 
@@ -207,11 +239,12 @@ def all_checkpoints() -> Any:
     limit = int_arg("limit", 100, 1, 1000)
     offset = int_arg("offset", 0, 0, 2**31)
     with services().db.connect() as conn:
-        saved = checkpoints.list_for(conn, principal(), group=group)
-    page = saved[offset : offset + limit]
+        page, total = checkpoints.list_for(
+            conn, principal(), group=group, limit=limit, offset=offset
+        )
     return jsonify(
         checkpoints=[c.to_json() for c in page],
-        cursor={"offset": offset, "limit": limit, "total_count": len(saved)},
+        cursor={"offset": offset, "limit": limit, "total_count": total},
     )
 
 

@@ -88,7 +88,7 @@ class SaveWeights(Body):
     seq_id: int = Field(ge=1, le=MAX_ID)
     path: str
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL)
-    overwrite: bool = True
+    overwrite: bool = False
 
 
 class LoadWeights(Body):

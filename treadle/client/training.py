@@ -7,8 +7,10 @@ session. Imports nothing from the server side.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -90,11 +92,13 @@ class TrainingClient:
 
     def load_state(self, path: str) -> Any:
         """Load a training checkpoint's weights into this session (fresh optimizer state)."""
-        return self._inner.load_state(path)
+        with _supported_by_treadle():
+            return self._inner.load_state(path)
 
     def load_state_with_optimizer(self, path: str) -> Any:
         """Load a training checkpoint's weights and optimizer state into this session."""
-        return self._inner.load_state_with_optimizer(path)
+        with _supported_by_treadle():
+            return self._inner.load_state_with_optimizer(path)
 
     def save_weights_for_sampler(
         self, name: str, *, merge_weights: bool = False, ttl_seconds: int | None = None
@@ -186,3 +190,13 @@ class TrainingClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+@contextlib.contextmanager
+def _supported_by_treadle() -> Iterator[None]:
+    """The tinker SDK warns that load_state* may leave its hosted service; Treadle serves it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*load_state.*deprecated", category=FutureWarning
+        )
+        yield

@@ -255,7 +255,8 @@ class SessionHost:
             return
         with self.db.connect() as conn:
             done = operations.completed_training_ops(conn, session.id, session.last_applied_seq)
-            payloads = [events.read_at(conn, op.request_position).data["payload"] for op in done]
+            requests = events.read_many(conn, [op.request_position for op in done])
+        payloads = [requests[op.request_position].data["payload"] for op in done]
         replayed = 0
         for op, payload in zip(done, payloads, strict=True):
             if op.type not in REPLAYED_TYPES or (

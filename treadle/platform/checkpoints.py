@@ -192,14 +192,47 @@ def list_for(
     *,
     run_id: str | None = None,
     group: str | None = None,
-) -> list[Checkpoint]:
+    limit: int | None = None,
+    offset: int = 0,
+) -> tuple[list[Checkpoint], int]:
+    """The tenant's live checkpoints, oldest first (one page of them), and how many there are."""
     query = _live(sa.select(checkpoints).where(checkpoints.c.tenant_id == principal.tenant_id))
     if run_id is not None:
         query = query.where(checkpoints.c.session_id == run_id)
     if group is not None:
         query = query.where(checkpoints.c.model_package_group == group)
-    rows = conn.execute(query.order_by(checkpoints.c.created_at, checkpoints.c.id))
-    return [_checkpoint(r) for r in rows]
+    total = conn.execute(sa.select(sa.func.count()).select_from(query.subquery())).scalar_one()
+    page = query.order_by(checkpoints.c.created_at, checkpoints.c.id).offset(offset).limit(limit)
+    return [_checkpoint(r) for r in conn.execute(page)], int(total)
+
+
+def exists(conn: sa.Connection, principal: Principal, path: CheckpointPath) -> bool:
+    query = _live(
+        sa.select(checkpoints.c.id).where(
+            checkpoints.c.tenant_id == principal.tenant_id,
+            checkpoints.c.tinker_path == str(path),
+        )
+    )
+    return conn.execute(query).first() is not None
+
+
+def latest_for(
+    conn: sa.Connection, principal: Principal, run_ids: list[str]
+) -> dict[str, Checkpoint]:
+    """Each run's newest live checkpoint, in one query."""
+    if not run_ids:
+        return {}
+    rows = conn.execute(
+        _live(
+            sa.select(checkpoints)
+            .distinct(checkpoints.c.session_id)
+            .where(checkpoints.c.tenant_id == principal.tenant_id)
+            .where(checkpoints.c.session_id.in_(run_ids))
+        ).order_by(
+            checkpoints.c.session_id, checkpoints.c.created_at.desc(), checkpoints.c.id.desc()
+        )
+    )
+    return {r.session_id: _checkpoint(r) for r in rows}
 
 
 def delete(conn: sa.Connection, principal: Principal, path: str) -> Checkpoint:

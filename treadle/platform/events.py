@@ -90,6 +90,14 @@ def read_at(conn: sa.Connection, position: int) -> Event:
     return _event(row)
 
 
+def read_many(conn: sa.Connection, positions: list[int]) -> dict[int, Event]:
+    """Events by position, in one query."""
+    if not positions:
+        return {}
+    rows = conn.execute(sa.select(events).where(events.c.position.in_(positions)))
+    return {r.position: _event(r) for r in rows}
+
+
 def _event(row: sa.Row[Any]) -> Event:
     return Event(
         position=row.position,

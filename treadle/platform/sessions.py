@@ -158,6 +158,10 @@ def get_session(
     row = conn.execute(query).first()
     if row is None:
         raise NotFoundError(f"model {session_id} not found")
+    return _session_row(row)
+
+
+def _session_row(row: sa.Row[Any]) -> SessionRow:
     return SessionRow(
         id=row.id,
         tenant_id=row.tenant_id,
@@ -176,13 +180,20 @@ def get_session(
     )
 
 
-def list_sessions(conn: sa.Connection, principal: Principal) -> list[SessionRow]:
-    ids = conn.execute(
-        sa.select(sessions.c.id)
-        .where(sessions.c.tenant_id == principal.tenant_id)
-        .order_by(sessions.c.created_at)
-    ).scalars()
-    return [get_session(conn, principal, i) for i in ids]
+def list_sessions(
+    conn: sa.Connection, principal: Principal, *, kind: str, limit: int, offset: int
+) -> tuple[list[SessionRow], int]:
+    """One page of the tenant's sessions of `kind`, oldest first, and how many there are."""
+    scope = (sessions.c.tenant_id == principal.tenant_id, sessions.c.kind == kind)
+    total = conn.execute(sa.select(sa.func.count()).where(*scope)).scalar_one()
+    rows = conn.execute(
+        sa.select(sessions)
+        .where(*scope)
+        .order_by(sessions.c.created_at, sessions.c.id)
+        .limit(limit)
+        .offset(offset)
+    )
+    return [_session_row(r) for r in rows], int(total)
 
 
 def create_sampler(
