@@ -16,7 +16,7 @@ from celery import Celery
 from flask import Flask, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from treadle.platform import db, storage, tenants
+from treadle.platform import db, operations, routing, storage, tenants
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import TreadleError, ValidationError
 from treadle.platform.routing import make_celery
@@ -90,6 +90,7 @@ def create_app(config: PlatformConfig) -> Flask:
 
     @app.errorhandler(TreadleError)
     def treadle_error(exc: TreadleError) -> Any:
+        _remember_refusal(svc, exc.status)
         return jsonify(error={"code": exc.code, "message": exc.message}), exc.status
 
     @app.errorhandler(HTTPException)
@@ -107,6 +108,22 @@ def create_app(config: PlatformConfig) -> Flask:
         return jsonify(error={"code": "internal", "message": "internal server error"}), 500
 
     return app
+
+
+def _remember_refusal(svc: Services, status: int) -> None:
+    """A training request refused at admission (a 4xx the SDK does not retry): record its seq_id
+    so the session's next operation does not wait for it, and wake the session's worker."""
+    seq = g.pop("training_seq", None)
+    if seq is None or "principal" not in g or not 400 <= status < 500 or status in (408, 429):
+        return
+    model_id, seq_id = seq
+    try:
+        with svc.db.begin() as conn:
+            recorded = operations.record_refusal(conn, g.principal, model_id, seq_id)
+        if recorded:
+            routing.wake(svc.celery, model_id, None)
+    except Exception as exc:  # the worker still skips it after the gap timeout
+        log.warning("could not record the refusal of %s seq %d: %s", model_id, seq_id, exc)
 
 
 def json_body() -> Any:

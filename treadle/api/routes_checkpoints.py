@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from flask import Blueprint, jsonify, request, send_file
 
-from treadle.api.admission import place, submit
+from treadle.api.admission import parse_training, place, submit
 from treadle.api.app import int_arg, json_body, principal, services
 from treadle.api.schemas import (
     CheckpointTtl,
@@ -23,7 +23,7 @@ from treadle.api.schemas import (
     WeightsInfo,
     parse,
 )
-from treadle.platform import checkpoints, storage
+from treadle.platform import checkpoints, optypes, storage
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import NotFoundError, ValidationError
 
@@ -51,20 +51,20 @@ def _submit_save(
         with services().db.connect() as conn:
             if checkpoints.exists(conn, principal(), path):
                 raise ValidationError(f"{path} already exists; pass overwrite=true or another name")
-    payload = {
-        "path": str(path),
-        "prefix": checkpoint_prefix(principal().tenant_id, path),
-        "ttl_seconds": ttl_seconds,
-        "with_optimizer": with_optimizer,
-        "merge_weights": merge_weights,
-    }
-    admission = submit(model_id, seq_id, "save_weights", payload)
+    payload = optypes.SaveWeights(
+        path=str(path),
+        prefix=checkpoint_prefix(principal().tenant_id, path),
+        ttl_seconds=ttl_seconds,
+        with_optimizer=with_optimizer,
+        merge_weights=merge_weights,
+    )
+    admission = submit(model_id, seq_id, payload)
     return jsonify(request_id=admission.request_id, model_id=model_id)
 
 
 @bp.post("/save_weights")
 def save_weights() -> Any:
-    body = parse(SaveWeights, json_body())
+    body = parse_training(SaveWeights)
     return _submit_save(
         body.model_id,
         body.seq_id,
@@ -79,7 +79,7 @@ def save_weights() -> Any:
 
 @bp.post("/save_weights_for_sampler")
 def save_weights_for_sampler() -> Any:
-    body = parse(SaveWeightsForSampler, json_body())
+    body = parse_training(SaveWeightsForSampler)
     if body.kind not in (None, "snapshot"):
         raise ValidationError(f"kind {body.kind!r} is not supported; use 'snapshot'")
     if body.path is not None:
@@ -116,8 +116,7 @@ def save_weights_for_sampler() -> Any:
     admission = submit(
         body.model_id,
         body.seq_id,
-        "save_weights_for_sampler",
-        {"sampler_id": sampler},
+        optypes.SaveWeightsForSampler(sampler_id=sampler),
         with_request=create_sampler,
     )
     return jsonify(request_id=admission.request_id, model_id=body.model_id)
@@ -125,7 +124,7 @@ def save_weights_for_sampler() -> Any:
 
 @bp.post("/load_weights")
 def load_weights() -> Any:
-    body = parse(LoadWeights, json_body())
+    body = parse_training(LoadWeights)
     who = principal()
     with services().db.connect() as conn:
         checkpoint = checkpoints.get(conn, who, body.path)
@@ -136,13 +135,13 @@ def load_weights() -> Any:
         )
     if body.optimizer and not checkpoint.has_optimizer:
         raise ValidationError(f"{body.path} has no optimizer state; load it without the optimizer")
-    payload = {
-        "path": str(checkpoint.path),
-        "prefix": checkpoint.storage_prefix,
-        "optimizer": body.optimizer,
-        "base_model": source.base_model,
-        "lora_config": dict(source.lora_config),
-    }
+    payload = optypes.LoadWeights(
+        path=str(checkpoint.path),
+        prefix=checkpoint.storage_prefix,
+        optimizer=body.optimizer,
+        base_model=source.base_model,
+        lora_config=optypes.LoraConfig(**source.lora_config),
+    )
     if body.model_id is not None:  # legacy load_state into an existing model
         if body.seq_id is None:
             raise ValidationError("load_weights into model_id needs seq_id")
@@ -152,7 +151,7 @@ def load_weights() -> Any:
             raise ValidationError(
                 f"{body.path} was trained on {source.base_model}; model {target.id} uses {target.base_model}"
             )
-        admission = submit(body.model_id, body.seq_id, "load_weights", payload)
+        admission = submit(body.model_id, body.seq_id, payload)
         return jsonify(request_id=admission.request_id, model_id=body.model_id)
     if body.session_id is None or body.model_seq_id is None:
         raise ValidationError(
@@ -177,7 +176,7 @@ def load_weights() -> Any:
             model_package_group=source.model_package_group,
         )
     place(model_id)
-    admission = submit(model_id, 0, "load_weights", {**payload, "create": True})
+    admission = submit(model_id, 0, payload.model_copy(update={"create": True}))
     return jsonify(request_id=admission.request_id, model_id=model_id)
 
 

@@ -13,7 +13,7 @@ from flask import Blueprint, jsonify
 from treadle.api.admission import place, submit
 from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import CreateSamplingSession, Sample, parse
-from treadle.platform import catalog, checkpoints, validation
+from treadle.platform import catalog, checkpoints, optypes, validation
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError
 
@@ -103,23 +103,23 @@ def asample() -> Any:
         sampler = sessions_core.get_sampler(conn, principal(), body.sampling_session_id)
     validation.validate_prompt(tokens, catalog.get_base_model(sampler.base_model), max_tokens)
     stop = params.stop
-    payload = {
-        "prompt": tokens,
-        "snapshot_id": sampler.snapshot_id,
-        "checkpoint_prefix": sampler.checkpoint_prefix,
-        "num_samples": body.num_samples,
-        "prompt_logprobs": body.prompt_logprobs or body.topk_prompt_logprobs > 0,
-        "topk_prompt_logprobs": body.topk_prompt_logprobs,
-        "params": {
-            "max_tokens": max_tokens,
-            "temperature": params.temperature,
-            "top_k": params.top_k,
-            "top_p": params.top_p,
-            "seed": params.seed,
-            "stop": [stop] if isinstance(stop, str) else stop,
-        },
-    }
-    admission = submit(sampler.session_id, body.seq_id, "sample", payload, sampler_id=sampler.id)
+    payload = optypes.Sample(
+        prompt=tokens,
+        snapshot_id=sampler.snapshot_id,
+        checkpoint_prefix=sampler.checkpoint_prefix,
+        num_samples=body.num_samples,
+        prompt_logprobs=body.prompt_logprobs or body.topk_prompt_logprobs > 0,
+        topk_prompt_logprobs=body.topk_prompt_logprobs,
+        params=optypes.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop=[stop] if isinstance(stop, str) else stop,
+        ),
+    )
+    admission = submit(sampler.session_id, body.seq_id, payload, sampler_id=sampler.id)
     return jsonify(
         request_id=admission.request_id,
         sample_sequence_ids=[f"{admission.request_id}:{i}" for i in range(body.num_samples)],

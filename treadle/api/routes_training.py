@@ -10,11 +10,11 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
-from treadle.api.admission import place, submit
+from treadle.api.admission import expect_seq, parse_training, place, submit
 from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import CreateModel, ModelRef, OptimStep, parse
 from treadle.api.wire import decode_forward_backward
-from treadle.platform import catalog, validation
+from treadle.platform import catalog, optypes, validation
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError
 
@@ -57,7 +57,11 @@ def create_model() -> Any:
         )
     place(model_id)
     admission = submit(
-        model_id, 0, "create_model", {"base_model": body.base_model, "lora_config": lora_config}
+        model_id,
+        0,
+        optypes.CreateModel(
+            base_model=body.base_model, lora_config=optypes.LoraConfig(**lora_config)
+        ),
     )
     return jsonify(request_id=admission.request_id, model_id=model_id)
 
@@ -90,21 +94,24 @@ def forward_backward() -> Any:
         )
     decoded = decode_forward_backward(request.get_data())
     model_id, payload = decoded["model_id"], decoded["payload"]
+    expect_seq(model_id, decoded["seq_id"])
     if decoded["seq_id"] < 1:
         raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
     with services().db.connect() as conn:
         session = sessions_core.get_session(conn, principal(), model_id)
     validation.validate_forward_backward(payload, catalog.get_base_model(session.base_model))
-    admission = submit(model_id, decoded["seq_id"], "forward_backward", payload)
+    admission = submit(model_id, decoded["seq_id"], optypes.ForwardBackward.model_validate(payload))
     return jsonify(request_id=admission.request_id, model_id=model_id)
 
 
 @bp.post("/api/v1/optim_step")
 def optim_step() -> Any:
-    body = parse(OptimStep, json_body())
+    body = parse_training(OptimStep)
     if body.optimizer_params is not None:
         raise ValidationError(
             "optimizer_params is not supported; this server trains with Adam: send adam_params"
         )
-    admission = submit(body.model_id, body.seq_id, "optim_step", body.adam_params.model_dump())
+    admission = submit(
+        body.model_id, body.seq_id, optypes.OptimStep(**body.adam_params.model_dump())
+    )
     return jsonify(request_id=admission.request_id, model_id=body.model_id)

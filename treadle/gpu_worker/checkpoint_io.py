@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from treadle.gpu_worker.engine import Engine
 from treadle.platform import checkpoints, events
+from treadle.platform.optypes import SaveWeights
 from treadle.platform.storage import ObjectStore
 
 
@@ -45,17 +46,17 @@ def save(
     store: ObjectStore,
     session_id: str,
     tenant_id: str,
-    payload: Mapping[str, Any],
+    payload: SaveWeights,
 ) -> tuple[dict[str, Any], Callable[[sa.Connection], None]]:
     """Write the checkpoint; returns the result and the registration to run at settlement."""
-    path = checkpoints.parse_path(payload["path"])
+    path = checkpoints.parse_path(payload.path)
     folder = Path(tempfile.mkdtemp(prefix="treadle-save-"))
     try:
-        if payload["merge_weights"]:
+        if payload.merge_weights:
             engine.export_merged(session_id, folder)
         else:
-            engine.export_adapter(session_id, folder, with_optimizer=payload["with_optimizer"])
-        size = _upload(store, folder, payload["prefix"])
+            engine.export_adapter(session_id, folder, with_optimizer=payload.with_optimizer)
+        size = _upload(store, folder, payload.prefix)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -64,11 +65,11 @@ def save(
             conn,
             tenant_id=tenant_id,
             path=path,
-            storage_prefix=payload["prefix"],
+            storage_prefix=payload.prefix,
             size_bytes=size,
-            has_optimizer=payload["with_optimizer"],
-            is_merged=payload["merge_weights"],
-            ttl_seconds=payload["ttl_seconds"],
+            has_optimizer=payload.with_optimizer,
+            is_merged=payload.merge_weights,
+            ttl_seconds=payload.ttl_seconds,
         )
         events.append(
             conn,
@@ -82,16 +83,34 @@ def save(
     return {"path": str(path)}, register
 
 
-def load(engine: Engine, store: ObjectStore, session_id: str, payload: Mapping[str, Any]) -> None:
-    """Load a training checkpoint into `session_id` (creating the adapter when it is new)."""
+def load(
+    engine: Engine,
+    store: ObjectStore,
+    adapter_id: str,
+    base_model: str,
+    prefix: str,
+    *,
+    with_optimizer: bool,
+) -> None:
+    """Load the checkpoint under `prefix` into `adapter_id`, replacing any adapter of that id
+    (its samplers' snapshots stay). FileNotFoundError when the files are gone."""
     folder = Path(tempfile.mkdtemp(prefix="treadle-load-"))
     try:
-        _download(store, payload["prefix"], folder)
-        if engine.has_adapter(session_id):
-            engine.drop_adapter(session_id)
-        engine.import_adapter(
-            session_id, payload["base_model"], folder, with_optimizer=payload["optimizer"]
-        )
+        _download(store, prefix, folder)
+        if engine.has_adapter(adapter_id):
+            engine.drop_adapter(adapter_id, keep_snapshots=True)
+        engine.import_adapter(adapter_id, base_model, folder, with_optimizer=with_optimizer)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_point(engine: Engine, store: ObjectStore, adapter_id: str, prefix: str) -> int:
+    """Write the adapter's exact state (weights and optimizer; it has no pending grads at a
+    recovery point) under `prefix`; returns the bytes written."""
+    folder = Path(tempfile.mkdtemp(prefix="treadle-point-"))
+    try:
+        engine.export_adapter(adapter_id, folder, with_optimizer=True)
+        return _upload(store, folder, prefix)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -10,10 +10,9 @@ Must not import flask, sqlalchemy, celery or treadle.api.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from treadle.gpu_worker import adapter_files, sampler
+from treadle.gpu_worker import adapter_files, fingerprint, sampler
 from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, LoraWeights, TrainableLora
 from treadle.gpu_worker.losses import EngineDatum, batch_loss, get_loss, microbatches, validate_data
 from treadle.gpu_worker.models import load_base_model
@@ -40,7 +39,12 @@ __all__ = [
     "SampleResult",
     "SampledSequence",
     "SamplingSpec",
+    "STATE_PARTS",
 ]
+
+# The parts of an adapter's state `state_hashes` can fingerprint.
+STATE_PARTS = ("weights", "grads", "optimizer")
+Interrupt = Callable[[], None]  # raises to stop a long call at its next step boundary
 
 
 @dataclass
@@ -123,12 +127,17 @@ class Engine:
     def has_adapter(self, adapter_id: str) -> bool:
         return adapter_id in self._adapters
 
-    def drop_adapter(self, adapter_id: str) -> None:
-        """Forget the adapter, its grads, optimizer state and the snapshots taken from it."""
+    def drop_adapter(self, adapter_id: str, *, keep_snapshots: bool = False) -> None:
+        """Forget the adapter, its grads, optimizer state and (unless `keep_snapshots`) the
+        snapshots taken from it."""
         with self._lock:
             adapter = self._adapter(adapter_id)
             for snapshot_id in adapter.snapshots:
-                self._snapshots.pop(snapshot_id, None)
+                if keep_snapshots:
+                    old = self._snapshots[snapshot_id]
+                    self._snapshots[snapshot_id] = _Snapshot(None, old.base_model, old.weights)
+                else:
+                    self._snapshots.pop(snapshot_id, None)
             del self._adapters[adapter_id]
             self._resident.pop(adapter_id, None)
 
@@ -161,12 +170,27 @@ class Engine:
             return {name: _numpy(g) for name, g in self._adapter(adapter_id).lora.grads()}
 
     def weight_hash(self, adapter_id: str) -> str:
-        """sha256 (hex) over the adapter's names, shapes and float32 bytes, in a fixed order."""
-        digest = hashlib.sha256()
-        for name, array in self.adapter_weights(adapter_id).items():
-            digest.update(f"{name}:{list(array.shape)};".encode())
-            digest.update(np.ascontiguousarray(array, dtype="<f4").tobytes())
-        return digest.hexdigest()
+        """A fingerprint of the adapter's weights: equal exactly when every bit is."""
+        return self.state_hashes(adapter_id, ("weights",))["weights"]
+
+    def state_hashes(self, adapter_id: str, parts: Sequence[str] = STATE_PARTS) -> dict[str, str]:
+        """Fingerprints of the asked parts of the adapter's state: its `weights`, the `grads`
+        accumulated since the last step, the `optimizer`'s Adam state. Computed where the tensors
+        live; equal for two adapters exactly when the part's bits are (see `fingerprint`)."""
+        with self._lock:
+            lora = self._adapter(adapter_id).lora
+            hashes = {}
+            for part in parts:
+                if part == "weights":
+                    named: list[tuple[str, torch.Tensor | None]] = list(lora.weights.tensors())
+                elif part == "grads":
+                    named = [(name, t.grad) for name, t in lora.weights.tensors()]
+                elif part == "optimizer":
+                    named = list(lora.optimizer_tensors())
+                else:
+                    raise AssertionError(f"unknown state part {part!r}")
+                hashes[part] = fingerprint.of(named)
+            return hashes
 
     # -- training -----------------------------------------------------------------------------
 
@@ -178,9 +202,11 @@ class Engine:
         loss_fn_config: Mapping[str, float] | None = None,
         *,
         forward_only: bool = False,
+        interrupt: Interrupt | None = None,
     ) -> ForwardBackwardResult:
         """Per-datum target logprobs and losses; unless `forward_only`, add the gradient of the
-        summed loss to the adapter's accumulated grads."""
+        summed loss to the adapter's accumulated grads. `interrupt` is called between
+        microbatches: what it raises ends the call with part of the gradient accumulated."""
         loss = get_loss(loss_fn)
         config = resolve_config(loss.spec, loss_fn_config)
         with self._lock:
@@ -196,6 +222,8 @@ class Engine:
             total = 0.0
             with base.host.use(adapter.lora.weights), torch.set_grad_enabled(not forward_only):
                 for chunk in microbatches(arrays):
+                    if interrupt is not None:
+                        interrupt()
                     chunk_outputs, chunk_loss = batch_loss(base.model, chunk, loss, config)
                     if not forward_only:
                         chunk_loss.backward()
@@ -242,11 +270,12 @@ class Engine:
         *,
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        interrupt: Interrupt | None = None,
     ) -> SampleResult:
         """`num_samples` continuations of `prompt` under the snapshot's weights (None: the base
         model alone); with `prompt_logprobs`, each prompt token's logprob given its prefix; with
         `topk_prompt_logprobs` = k > 0, the k likeliest tokens at each prompt position. Touches no
-        adapter's weights or grads."""
+        adapter's weights or grads. `interrupt` is called before each decoding step."""
         with self._lock:
             base = self._base(base_model)
             weights = None
@@ -278,6 +307,7 @@ class Engine:
                     decode=lambda ids: str(base.tokenizer.decode(ids)),
                     want_prompt_logprobs=prompt_logprobs,
                     topk_prompt_logprobs=topk_prompt_logprobs,
+                    interrupt=interrupt,
                 )
 
     # -- files (formats in `adapter_files`) -----------------------------------------------------

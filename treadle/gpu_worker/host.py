@@ -1,52 +1,82 @@
 """The session host: runs each leased session's operations on the engine, strictly in order.
 
-A wake-up names a session and a request; the host reads the log, applies the session's next
-training operations in seq_id order (a duplicate is dropped, a gap waits for its request, or is
-skipped once it has waited GAP_TIMEOUT), runs sample operations as they come, and settles each
-outcome in one transaction guarded by its lease epoch. A session whose adapter is not in memory
-(a restarted worker) is rebuilt by replaying its completed operations from the log.
-Imports platform and the engine; never api.
+A wake-up names a session (and maybe a request); the host reads the log and applies the
+session's next training operations in seq_id order (a duplicate is dropped; a seq_id refused at
+admission is passed over at once; any other gap waits for its request, or is skipped once it has
+waited the gap timeout), runs samples as they come, and settles each outcome in one transaction guarded by
+its lease epoch.
+
+What the host holds in memory is trusted only for the lease epoch and applied seq_id it was built
+for: anything else is rebuilt from the newest automatic checkpoint and a verified replay
+(`recovery`), and an operation's effect counts only once its own settlement commits it as
+completed; otherwise the adapter is discarded and rebuilt. A replay that does not reproduce the
+recorded state marks the session diverged. Every operation runs under an interrupt that stops it
+at its next step boundary when its session is stopped, the worker shuts down or the execution
+time limit passes. Imports platform and the engine; never api.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import redis
 import sqlalchemy as sa
 
-from treadle.gpu_worker import checkpoint_io
-from treadle.gpu_worker.engine import (
-    AdamSpec,
-    Engine,
-    EngineDatum,
-    LoraSpec,
-    SamplingSpec,
-)
-from treadle.platform import events, notify, operations
+from treadle.gpu_worker import handlers, recovery
+from treadle.gpu_worker.engine import Engine
+from treadle.platform import events, leases, notify, operations
 from treadle.platform import sessions as sessions_core
-from treadle.platform.errors import TreadleError
+from treadle.platform.config import PlatformConfig
+from treadle.platform.errors import (
+    OperationCancelledError,
+    TimeLimitExceededError,
+    TreadleError,
+)
+from treadle.platform.optypes import OptimStep, Payload, Sample, parse_payload
+from treadle.platform.sessions import SessionRow, SessionStatus
 from treadle.platform.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
-# Long enough for a client's own work between reserved seq_ids (forward_backward_custom computes
-# its loss locally between two of them); a seq_id refused at admission stalls later ones this long.
-GAP_TIMEOUT_SECONDS = 60.0
-REPLAYED_TYPES = (
-    "create_model",
-    "load_weights",
-    "forward_backward",
-    "optim_step",
-    "save_weights_for_sampler",
-)
-Registration = Callable[[sa.Connection], None]
+
+class WorkerClosing(Exception):
+    """The worker is shutting down: the operation stays pending for the session's next holder."""
+
+
+@dataclass
+class _Held:
+    """What the adapter in memory was built for: valid only while both still hold."""
+
+    epoch: int
+    applied_seq: int
+    steps_since_point: int  # optimizer steps since the last recovery point
+
+
+class _Running:
+    """The operation now executing: its interrupt raises once it must stop."""
+
+    def __init__(self, host: SessionHost, op: operations.OperationRow, limit: float) -> None:
+        self.host, self.op, self.limit = host, op, limit
+        self.deadline = time.monotonic() + limit
+        self.cancelled: str | None = None
+
+    def check(self) -> None:
+        if self.host.closing.is_set():
+            raise WorkerClosing
+        if self.cancelled is not None:
+            raise OperationCancelledError(self.cancelled)
+        if time.monotonic() > self.deadline:
+            raise TimeLimitExceededError(
+                f"{self.op.type} ran longer than the execution time limit of {self.limit:g} s "
+                "and was stopped; send less work per call (fewer datums, samples or tokens), or "
+                "ask the operator to raise TREADLE_OP_TIME_LIMIT_SECONDS"
+            )
 
 
 class SessionHost:
@@ -58,90 +88,264 @@ class SessionHost:
         engine: Engine,
         store: ObjectStore,
         worker_id: str,
+        config: PlatformConfig,
     ) -> None:
         self.db = db
         self.store = store
         self.redis = redis_client
         self.engine = engine
         self.worker_id = worker_id
+        self.config = config
+        self.closing = threading.Event()
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._held: dict[str, _Held] = {}
+        self._running: _Running | None = None
+        self.on_not_holder: Any = None  # set by the runtime: stop consuming a lost session
 
-    # --- entry points (Celery tasks) --------------------------------------------------------
+    # --- entry points (Celery tasks, the lease keeper) ---------------------------------------
 
-    def wake(self, session_id: str, request_id: str) -> None:
+    def wake(self, session_id: str, request_id: str | None) -> None:
+        """Run what the session has pending (`request_id`: a sample to run now)."""
+        if self.closing.is_set():
+            return
         with self._locks[session_id]:
             with self.db.connect() as conn:
                 session = sessions_core.get_session(conn, None, session_id)
-                op = operations.get_operation(conn, None, request_id)
+                op = operations.get_operation(conn, None, request_id) if request_id else None
             if session.worker_id != self.worker_id:
-                log.warning("%s: not the lease holder of %s; ignoring", self.worker_id, session_id)
+                log.info("%s: not the lease holder of %s", self.worker_id, session_id)
+                if self.on_not_holder is not None:
+                    self.on_not_holder(session_id, request_id)
                 return
-            if op.sampler_id is not None:
-                if not op.is_done:
-                    self._ensure_restored(session)
-                    self._execute(session, op)
+            if not session.is_active:
+                self._discard(session_id)
                 return
-            self._drain(session_id)
+            try:
+                if op is not None and op.sampler_id is not None:
+                    if not op.is_done:
+                        self._run_sample(session, op)
+                    return
+                self._drain(session_id)
+            except (recovery.Diverged, recovery.Unrecoverable) as exc:
+                self._halt(session_id, exc)
+            except WorkerClosing:
+                log.info(
+                    "%s: left %s to its next holder (shutting down)", self.worker_id, session_id
+                )
 
     def stop(self, session_id: str) -> None:
         with self._locks[session_id]:
-            if self.engine.has_adapter(session_id):
-                self.engine.drop_adapter(session_id)
-                log.info(
-                    "%s: dropped the adapter of stopped session %s", self.worker_id, session_id
-                )
+            self._discard(session_id)
+
+    def running(self) -> operations.OperationRow | None:
+        run = self._running
+        return None if run is None else run.op
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """Stop the running operation `request_id` at its next step boundary (any thread)."""
+        run = self._running
+        if run is not None and run.op.request_id == request_id:
+            run.cancelled = reason
+
+    def close(self) -> None:
+        """The worker is shutting down: interrupt the running operation, start nothing new."""
+        self.closing.set()
 
     # --- ordering ---------------------------------------------------------------------------
 
     def _drain(self, session_id: str) -> None:
-        while True:
+        while not self.closing.is_set():
             with self.db.connect() as conn:
                 session = sessions_core.get_session(conn, None, session_id)
-                if session.worker_id != self.worker_id:
+                if session.worker_id != self.worker_id or not session.is_active:
                     return
-                next_seq = session.last_applied_seq + 1
-                op = operations.pending_training_op(conn, session_id, next_seq)
+                # seq_ids refused at admission are passed over, as if never reserved
+                next_seq = operations.refused_run(conn, session_id, session.last_applied_seq + 1)
+                next_seq += 1
+                op = operations.training_op_at(conn, session_id, next_seq)
+                oldest = None
                 if op is None:
                     oldest = operations.oldest_pending_training_op(conn, session_id)
             if op is None:
-                if oldest is None or oldest[1] < GAP_TIMEOUT_SECONDS:
+                if oldest is None or oldest[1] < self.config.gap_timeout_seconds:
+                    self._ensure_current(session)  # rebuild now, not when the next op comes
                     return  # nothing to do, or the missing request may still arrive
-                with self.db.begin() as conn:
-                    operations.skip_gap(
-                        conn, session_id, self.worker_id, session.lease_epoch, oldest[0]
-                    )
-                log.warning(
-                    "%s: skipped seq %d..%d (never received)", session_id, next_seq, oldest[0] - 1
-                )
+                self._skip(session, oldest[0], "never received; later operations went ahead")
                 continue
             if op.is_done:  # settled by a previous holder; cannot happen with a current lease
                 return
-            if op.seq_id > 0:  # seq 0 creates the adapter (create_model or create-via-load)
-                self._ensure_restored(session)
+            self._ensure_current(session)
             self._execute(session, op)
+
+    def _skip(self, session: SessionRow, to_seq: int, reason: str) -> None:
+        with self.db.begin() as conn:
+            moved = operations.skip_gap(
+                conn, session.id, self.worker_id, session.lease_epoch, to_seq, reason
+            )
+            after = sessions_core.get_session(conn, None, session.id).last_applied_seq
+        held = self._held.get(session.id)
+        if moved and held is not None and held.applied_seq == session.last_applied_seq:
+            held.applied_seq = after  # nothing was applied: what is held stays valid
+        log.info(
+            "%s: skipped seq %d..%d (%s)", session.id, session.last_applied_seq + 1, after, reason
+        )
+
+    # --- what is held -----------------------------------------------------------------------
+
+    def _ensure_current(self, session: SessionRow) -> None:
+        """Make the adapter in memory match the session's log at its current lease."""
+        if session.kind != "training":
+            return
+        held = self._held.get(session.id)
+        if (
+            held is not None
+            and held.epoch == session.lease_epoch
+            and held.applied_seq == session.last_applied_seq
+            and (self.engine.has_adapter(session.id) or session.last_applied_seq < 0)
+        ):
+            return
+        self._discard(session.id)
+        if session.last_applied_seq < 0:  # nothing applied yet: seq 0 creates the adapter
+            self._held[session.id] = _Held(session.lease_epoch, -1, 0)
+            return
+        rebuilt = recovery.rebuild(
+            self.db,
+            self.engine,
+            self.store,
+            session,
+            adapter_id=session.id,
+            up_to_seq=session.last_applied_seq,
+            interrupt=self._closing_interrupt,
+        )
+        self._held[session.id] = _Held(
+            session.lease_epoch, session.last_applied_seq, rebuilt.optim_steps_since_point
+        )
+        with self.db.begin() as conn:
+            leases.hold(conn, session.id, self.worker_id, session.lease_epoch)
+            events.append(
+                conn,
+                session.id,
+                session.tenant_id,
+                "SessionRecovered",
+                {
+                    "worker_id": self.worker_id,
+                    "epoch": session.lease_epoch,
+                    "from_seq": rebuilt.from_seq,
+                    "to_seq": rebuilt.to_seq,
+                    "replayed": rebuilt.replayed,
+                    "seconds": round(rebuilt.seconds, 3),
+                },
+            )
+        log.info(
+            "%s: rebuilt %s from seq %d to %d, %d operations replayed and verified in %.2f s",
+            self.worker_id, session.id, rebuilt.from_seq, rebuilt.to_seq, rebuilt.replayed,
+            rebuilt.seconds,
+        )  # fmt: skip
+
+    def _discard(self, session_id: str) -> None:
+        """Forget the session's adapter and its samplers' snapshots: rebuild before next use."""
+        self._held.pop(session_id, None)
+        if self.engine.has_adapter(session_id):
+            self.engine.drop_adapter(session_id)
+
+    def _closing_interrupt(self) -> None:
+        if self.closing.is_set():
+            raise WorkerClosing
 
     # --- execution --------------------------------------------------------------------------
 
-    def _execute(self, session: sessions_core.SessionRow, op: operations.OperationRow) -> None:
+    def _execute(self, session: SessionRow, op: operations.OperationRow) -> None:
         with self.db.connect() as conn:
-            payload = events.read_at(conn, op.request_position).data["payload"]
-        started = time.perf_counter()
-        result: dict[str, Any] | None = None
-        error: dict[str, Any] | None = None
-        tokens = {"prefill": 0, "sample": 0, "train": 0}
-        also: Registration | None = None
+            payload = parse_payload(
+                op.type, events.read_at(conn, op.request_position).data["payload"]
+            )
+        call = self._call(session, op)
+        outcome, error, state, seconds = self._run(call, payload, op)
         try:
-            result, tokens, also = self._apply(session, op.type, payload)
+            settled = self._settle(session, op, outcome, error, state, seconds)
+        except Exception:
+            self._discard(session.id)  # whether it committed is unknown: rebuild from the log
+            raise
+        if not (settled and error is None):
+            self._discard(session.id)  # its effect, if any, is not in the log
+            return
+        held = self._held.get(session.id)
+        if held is None:
+            return
+        held.applied_seq = op.seq_id
+        if outcome is not None and outcome.point is not None:
+            held.steps_since_point = 0
+        if isinstance(payload, OptimStep):
+            held.steps_since_point += 1
+            every = self.config.auto_checkpoint_steps
+            if every > 0 and held.steps_since_point >= every:
+                self._write_point(session, op.seq_id)
+
+    def _run_sample(self, session: SessionRow, op: operations.OperationRow) -> None:
+        with self.db.connect() as conn:
+            payload = parse_payload(
+                op.type, events.read_at(conn, op.request_position).data["payload"]
+            )
+        assert isinstance(payload, Sample)
+        if payload.snapshot_id and not payload.checkpoint_prefix:
+            self._ensure_snapshot(session, payload.snapshot_id)
+        call = self._call(session, op)
+        outcome, error, state, seconds = self._run(call, payload, op)
+        self._settle(session, op, outcome, error, state, seconds)
+
+    def _call(self, session: SessionRow, op: operations.OperationRow) -> handlers.Call:
+        return handlers.Call(
+            engine=self.engine,
+            store=self.store,
+            tenant_id=session.tenant_id,
+            session_id=session.id,
+            base_model=session.base_model,
+            adapter_id=session.id,
+            seq_id=op.seq_id,
+            live=True,
+        )
+
+    def _run(
+        self, call: handlers.Call, payload: Payload, op: operations.OperationRow
+    ) -> tuple[handlers.Outcome | None, dict[str, Any] | None, dict[str, str] | None, float]:
+        """Run the payload under an interrupt; (outcome, error, state hashes, seconds)."""
+        run = _Running(self, op, self.config.op_time_limit_seconds)
+        self._running = run
+        started = time.perf_counter()
+        outcome = error = state = None
+        try:
+            call = dataclasses.replace(call, interrupt=run.check)
+            outcome = handlers.run(call, payload)
+            if payload.changes_state:
+                state = self.engine.state_hashes(call.adapter_id, payload.state_parts)
+        except WorkerClosing:
+            if payload.is_ordered:
+                self._discard(call.session_id)
+            raise
         except TreadleError as exc:
             error = {"category": exc.category, "code": exc.code, "message": exc.message}
         except Exception as exc:  # the engine failed: report it, keep the session going
-            log.exception("%s: %s seq %d failed", session.id, op.type, op.seq_id)
+            log.exception("%s: %s seq %d failed", call.session_id, op.type, op.seq_id)
             error = {
                 "category": "server",
                 "code": "internal",
                 "message": f"{type(exc).__name__}: {exc}",
             }
-        usage = {"duration_ms": round((time.perf_counter() - started) * 1000, 3), "tokens": tokens}
+        finally:
+            self._running = None
+        return outcome, error, state, time.perf_counter() - started
+
+    def _settle(
+        self,
+        session: SessionRow,
+        op: operations.OperationRow,
+        outcome: handlers.Outcome | None,
+        error: dict[str, Any] | None,
+        state: dict[str, str] | None,
+        seconds: float,
+    ) -> bool:
+        tokens = outcome.tokens if outcome is not None else handlers.no_tokens()
+        usage = {"duration_ms": round(seconds * 1000, 3), "tokens": tokens}
         try:
             with self.db.begin() as conn:
                 settled = operations.settle(
@@ -149,125 +353,94 @@ class SessionHost:
                     op,
                     worker_id=self.worker_id,
                     lease_epoch=session.lease_epoch,
-                    result=result,
+                    result=outcome.result if outcome is not None else None,
                     error=error,
                     usage=usage,
-                    also=also,
+                    state=state,
+                    also=outcome.also if outcome is not None else None,
                 )
-        except operations.StaleLeaseError as exc:
+        except leases.StaleLeaseError as exc:
             log.warning("refused a stale write: %s", exc)
-            return
+            return False
         if settled:
             notify.publish_done(self.redis, op.request_id)
+        return settled
 
-    def _apply(
-        self, session: sessions_core.SessionRow, op_type: str, payload: Mapping[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, int], Registration | None]:
-        tokens = {"prefill": 0, "sample": 0, "train": 0}
-        if op_type == "create_model":
-            if self.engine.has_adapter(session.id):
-                self.engine.drop_adapter(session.id)
-            self.engine.create_adapter(
-                session.id, payload["base_model"], LoraSpec(**payload["lora_config"])
-            )
-            return {"model_id": session.id}, tokens, None
-        if op_type == "load_weights":
-            checkpoint_io.load(self.engine, self.store, session.id, payload)
-            return {"model_id": session.id, "path": payload["path"]}, tokens, None
-        if op_type == "save_weights":
-            result, register = checkpoint_io.save(
-                self.engine, self.store, session.id, session.tenant_id, payload
-            )
-            return result, tokens, register
-        if op_type == "forward_backward":
-            data = [
-                EngineDatum(
-                    tokens=tuple(d["tokens"]),
-                    loss_fn_inputs={
-                        name: np.asarray(t["data"], dtype=t["dtype"]).reshape(t["shape"])
-                        for name, t in d["loss_fn_inputs"].items()
-                    },
-                )
-                for d in payload["data"]
-            ]
-            out = self.engine.forward_backward(
-                session.id,
-                data,
-                payload["loss_fn"],
-                payload["loss_fn_config"],
-                forward_only=payload["forward_only"],
-            )
-            tokens["prefill" if payload["forward_only"] else "train"] = out.train_tokens
-            outputs = [
-                {name: _tensor_json(arr) for name, arr in per_datum.items()}
-                for per_datum in out.outputs
-            ]
-            return {"loss_fn_outputs": outputs, "metrics": out.metrics}, tokens, None
-        if op_type == "optim_step":
-            metrics = self.engine.optim_step(session.id, AdamSpec(**payload))
-            return {"metrics": metrics}, tokens, None
-        if op_type == "save_weights_for_sampler":
-            self.engine.snapshot(session.id, payload["sampler_id"])
-            return {"sampling_session_id": payload["sampler_id"]}, tokens, None
-        if op_type == "sample":
-            result, tokens = self._sample(session, payload)
-            return result, tokens, None
-        raise AssertionError(f"unknown operation type {op_type}")
+    # --- samplers' snapshots and recovery points ----------------------------------------------
 
-    def _sample(
-        self, session: sessions_core.SessionRow, payload: Mapping[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, int]]:
-        params = dict(payload["params"])
-        stop = params.pop("stop")
-        spec = SamplingSpec(
-            **params, stop=None if stop is None else tuple(stop)
-        )  # a list on the wire
-        snapshot = payload.get("snapshot_id")
-        if payload.get("checkpoint_prefix"):
-            assert snapshot is not None, "a checkpoint sampler always names its snapshot"
-            checkpoint_io.ensure_snapshot(
-                self.engine, self.store, snapshot, session.base_model, payload["checkpoint_prefix"]
-            )
-        out = self.engine.sample(
-            session.base_model,
-            snapshot,
-            payload["prompt"],
-            payload["num_samples"],
-            spec,
-            prompt_logprobs=payload["prompt_logprobs"],
-            topk_prompt_logprobs=payload.get("topk_prompt_logprobs", 0),
-        )
-        result = {
-            "sequences": [
-                {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
-                for s in out.sequences
-            ],
-            "prompt_logprobs": out.prompt_logprobs,
-            "topk_prompt_logprobs": out.topk_prompt_logprobs,
-        }
-        return result, {"prefill": out.prefill_tokens, "sample": out.sample_tokens, "train": 0}
-
-    # --- recovery ---------------------------------------------------------------------------
-
-    def _ensure_restored(self, session: sessions_core.SessionRow) -> None:
-        """Rebuild an adapter this process does not hold by replaying its completed operations."""
-        if session.kind != "training" or self.engine.has_adapter(session.id):
+    def _ensure_snapshot(self, session: SessionRow, snapshot_id: str) -> None:
+        """An ephemeral sampler's snapshot, rebuilt from the log if this process lacks it."""
+        if self.engine.has_snapshot(snapshot_id):
+            return
+        self._ensure_current(session)  # a rebuild re-creates snapshots after its checkpoint
+        if self.engine.has_snapshot(snapshot_id):
             return
         with self.db.connect() as conn:
-            done = operations.completed_training_ops(conn, session.id, session.last_applied_seq)
-            requests = events.read_many(conn, [op.request_position for op in done])
-        payloads = [requests[op.request_position].data["payload"] for op in done]
-        replayed = 0
-        for op, payload in zip(done, payloads, strict=True):
-            if op.type not in REPLAYED_TYPES or (
-                op.type == "forward_backward" and payload["forward_only"]
-            ):
-                continue
-            self._apply(session, op.type, payload)
-            replayed += 1
-        log.info("%s: restored %s by replaying %d operations", self.worker_id, session.id, replayed)
+            seq_id = operations.snapshot_seq(conn, session.id, snapshot_id)
+        if seq_id is None:
+            return  # the engine answers with a clear not-found error
+        scratch = f"{session.id}#snapshot"
+        recovery.rebuild(
+            self.db,
+            self.engine,
+            self.store,
+            session,
+            adapter_id=scratch,
+            up_to_seq=seq_id,
+            snapshots={snapshot_id},
+            interrupt=self._closing_interrupt,
+        )
+        self.engine.drop_adapter(scratch, keep_snapshots=True)
 
+    def _write_point(self, session: SessionRow, seq_id: int) -> None:
+        try:
+            point = recovery.write_point(
+                self.db,
+                self.engine,
+                self.store,
+                session,
+                seq_id=seq_id,
+                keep=max(1, self.config.auto_checkpoint_keep),
+                hold=lambda conn: leases.hold(
+                    conn, session.id, self.worker_id, session.lease_epoch
+                ),
+            )
+        except Exception:  # recovery replays further back instead; never fail the session
+            log.exception("%s: automatic checkpoint at seq %d failed", session.id, seq_id)
+            return
+        if (held := self._held.get(session.id)) is not None:
+            held.steps_since_point = 0
+        log.info(
+            "%s: automatic checkpoint at seq %d (%d bytes)", session.id, seq_id, point.size_bytes
+        )
 
-def _tensor_json(array: np.ndarray) -> dict[str, Any]:
-    dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
-    return {"dtype": dtype, "shape": list(array.shape), "data": array.reshape(-1).tolist()}
+    def _halt(self, session_id: str, exc: Exception) -> None:
+        """Diverged or unrecoverable: stop the session and fail what waits on it."""
+        self._discard(session_id)
+        if isinstance(exc, recovery.Diverged):
+            status = SessionStatus.DIVERGED
+            data: dict[str, Any] = {
+                "seq_id": exc.seq_id, "operation": exc.what, "part": exc.part,
+                "recorded": exc.expected, "replayed": exc.actual,
+            }  # fmt: skip
+            message = (
+                f"model {session_id} diverged from its log: replaying seq {exc.seq_id} "
+                f"({exc.what}) did not reproduce the recorded {exc.part} state, so its weights "
+                "can no longer be trusted; start a new session from a saved checkpoint"
+            )
+            code = "session_diverged"
+        else:
+            status, data = SessionStatus.FAILED, {"reason": str(exc)}
+            message = f"model {session_id} cannot be recovered: {exc}"
+            code = "session_failed"
+        log.error("%s: %s", session_id, message)
+        with self.db.begin() as conn:
+            session = sessions_core.get_session(conn, None, session_id, for_update=True)
+            if session.worker_id != self.worker_id or not session.is_active:
+                return
+            sessions_core.halt_session(conn, session, status, {**data, "message": message})
+            failed = operations.fail_pending(
+                conn, session_id, message, code=code, category="server"
+            )
+        for request_id in failed:
+            notify.publish_done(self.redis, request_id)

@@ -237,6 +237,14 @@ class TrainableLora:
                 out[name] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         return out
 
+    def optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every AdamW state tensor, named `<tensor name>.<key>`, in a fixed order (no copies)."""
+        out = []
+        for name, p in self.weights.tensors():
+            state = self.optimizer.state.get(p, {})
+            out.extend((f"{name}.{key}", state[key]) for key in sorted(state))
+        return out
+
     def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Replace the AdamW state with `state` (as `optimizer_state` gives it), exactly.
         ValidationError, changing nothing, on an unknown tensor or a misshapen entry."""

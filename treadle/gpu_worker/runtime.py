@@ -15,16 +15,17 @@ import threading
 
 import redis
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutting_down
 
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
-from treadle.platform import checkpoints, db, operations, routing, storage
+from treadle.platform import checkpoints, db, leases, operations, routing, storage
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 
 log = logging.getLogger(__name__)
 
+# A pending operation this old gets a fresh wake-up (a message lost with a dead worker).
 STALL_SECONDS = 3.0
 
 
@@ -38,7 +39,7 @@ def build_app(config: PlatformConfig, host: SessionHost) -> Celery:
     app = routing.make_celery(config.redis_url)
 
     @app.task(name=routing.WAKE_TASK)
-    def wake(session_id: str, request_id: str) -> None:
+    def wake(session_id: str, request_id: str | None = None) -> None:
         host.wake(session_id, request_id)
 
     @app.task(name=routing.STOP_TASK)
@@ -49,7 +50,8 @@ def build_app(config: PlatformConfig, host: SessionHost) -> Celery:
 
 
 class LeaseKeeper(threading.Thread):
-    """Heartbeats the worker and keeps its leased sessions' queues consumed and moving."""
+    """Heartbeats the worker, claims sessions no live worker holds, keeps its sessions' queues
+    consumed and moving, and interrupts an operation whose session was stopped."""
 
     def __init__(self, config: PlatformConfig, host: SessionHost, app: Celery) -> None:
         super().__init__(name="lease-keeper", daemon=True)
@@ -58,6 +60,9 @@ class LeaseKeeper(threading.Thread):
         self.app = app
         self.consuming: set[str] = set()
         self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._first = True
+        host.on_not_holder = self.hand_off
 
     def run(self) -> None:
         while not self.stopped.is_set():
@@ -70,29 +75,62 @@ class LeaseKeeper(threading.Thread):
     def tick(self) -> None:
         me = self.host.worker_id
         with self.host.db.begin() as conn:
-            sessions_core.heartbeat_worker(conn, me, {"pid": os.getpid()})
-            for session_id in sessions_core.unleased_sessions(conn):
-                sessions_core.lease_session(conn, session_id, me, only_if_unleased=True)
-            for session_id in sessions_core.orphaned_sessions(conn, self.config.lease_ttl_seconds):
-                sessions_core.lease_session(conn, session_id, me, only_if_unleased=False)
-            mine = sessions_core.sessions_leased_to(conn, me)
+            leases.heartbeat_worker(conn, me, {"pid": os.getpid()})
+            claimed = [
+                s
+                for s in leases.unleased_sessions(conn)
+                if leases.lease_session(conn, s, me, only_if_unleased=True)
+            ] + [
+                s
+                for s in leases.orphaned_sessions(conn, self.config.lease_ttl_seconds)
+                if leases.lease_session(conn, s, me, only_if_unleased=False)
+            ]
+            mine = leases.sessions_leased_to(conn, me)
             stalled = operations.stale_pending(conn, mine, STALL_SECONDS)
             expired = checkpoints.reap_expired(conn)
+        self.interrupt_if_stopped()
         for checkpoint in expired:
             self.host.store.delete_prefix(checkpoint.storage_prefix + "/")
             log.info("deleted expired checkpoint %s", checkpoint.path)
-        for session_id in mine:
-            if session_id not in self.consuming:
-                routing.start_consuming(self.app, me, session_id)
-                self.consuming.add(session_id)
-        for session_id in self.consuming - set(mine):
-            routing.stop_consuming(self.app, me, session_id)
-            self.consuming.discard(session_id)
-        woken: set[str] = set()
+        with self._lock:
+            for session_id in mine:
+                if session_id not in self.consuming:
+                    routing.start_consuming(self.app, me, session_id)
+                    self.consuming.add(session_id)
+            for session_id in self.consuming - set(mine):
+                routing.stop_consuming(self.app, me, session_id)
+                self.consuming.discard(session_id)
+        # A session that just came here is rebuilt at once, not when its next operation comes.
+        woken = set(mine if self._first else claimed)
+        self._first = False
+        for session_id in woken:
+            routing.wake(self.app, session_id, None)
         for session_id, request_id in stalled:
             if session_id not in woken:
                 routing.wake(self.app, session_id, request_id)
                 woken.add(session_id)
+
+    def interrupt_if_stopped(self) -> None:
+        """Stop the running operation at its next step if its session was stopped meanwhile."""
+        op = self.host.running()
+        if op is None:
+            return
+        with self.host.db.connect() as conn:
+            session = sessions_core.get_session(conn, None, op.session_id)
+            current = operations.get_operation(conn, None, op.request_id)
+        if not session.is_active or current.is_done:
+            self.host.cancel(
+                op.request_id, f"{op.type} was cancelled: model {op.session_id} was stopped"
+            )
+
+    def hand_off(self, session_id: str, request_id: str | None) -> None:
+        """A wake-up for a session this worker no longer holds: stop consuming its queue now
+        and send the wake-up on, so the holder gets it."""
+        with self._lock:
+            if session_id in self.consuming:
+                routing.stop_consuming(self.app, self.host.worker_id, session_id)
+                self.consuming.discard(session_id)
+        routing.wake(self.app, session_id, request_id)
 
 
 def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO") -> None:
@@ -103,11 +141,21 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         engine=engine,
         store=storage.store_from_config(config),
         worker_id=worker_id,
+        config=config,
     )
+    # A new process never shares a lease epoch with an earlier one of the same id: whatever
+    # that one held is released (and claimed again with a new epoch).
+    with host.db.begin() as conn:
+        released = leases.retire_worker(conn, worker_id, "the worker restarted")
+    if released:
+        log.info("%s: released %d lease(s) of a previous run", worker_id, len(released))
     app = build_app(config, host)
     keeper = LeaseKeeper(config, host, app)
     # Start keeping leases once the consumer is connected, so its add_consumer requests land.
     worker_ready.connect(lambda **_: keeper.start(), weak=False)
+    # SIGTERM: interrupt the running operation at its next step (it stays pending for the next
+    # holder) instead of waiting for it to finish.
+    worker_shutting_down.connect(lambda **_: host.close(), weak=False)
     try:
         app.worker_main(
             [
@@ -123,8 +171,9 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
             ]
         )
     finally:
+        host.close()
         keeper.stopped.set()
         keeper.join(timeout=10)
         with host.db.begin() as conn:
-            released = sessions_core.release_leases(conn, worker_id)
+            released = leases.retire_worker(conn, worker_id, "the worker shut down")
         log.info("%s: released %d session lease(s) on shutdown", worker_id, len(released))

@@ -119,8 +119,10 @@ def generate(
     decode: Callable[[list[int]], str],
     want_prompt_logprobs: bool = False,
     topk_prompt_logprobs: int = 0,
+    interrupt: Callable[[], None] | None = None,
 ) -> SampleResult:
     """Sample `num_samples` continuations of `prompt` with whatever weights `model` runs now.
+    `interrupt` is called before each decoding step; what it raises ends the call.
 
     Per-token logprobs are under softmax(logits / temperature) before top-k/top-p truncation
     (under softmax(logits) when greedy); prompt logprobs under softmax(logits). Call
@@ -152,6 +154,8 @@ def generate(
             cache.batch_repeat_interleave(num_samples)
             logits_N_V = logits_1_K_V[:, -1].expand(num_samples, -1)
         for step in range(params.max_tokens):
+            if interrupt is not None:
+                interrupt()
             chosen_N, lp_N = _choose(logits_N_V, params, generator)
             for row, (token, lp) in enumerate(zip(chosen_N.tolist(), lp_N.tolist(), strict=True)):
                 if reasons[row] is not None:

@@ -29,8 +29,18 @@ class PlatformConfig:
     cache_dir: Path = DEFAULT_CACHE_DIR
     admin_key: str = ""
     long_poll_seconds: float = 20.0
-    worker_heartbeat_seconds: float = 2.0
-    lease_ttl_seconds: float = 30.0
+    # A worker heartbeats this often; one silent for lease_ttl_seconds is taken for dead and its
+    # sessions move to a live worker (`treadle up` also releases a dead child's leases at once).
+    worker_heartbeat_seconds: float = 1.0
+    lease_ttl_seconds: float = 10.0
+    # Recovery: an automatic checkpoint every N optimizer steps (0: none), the newest K kept.
+    auto_checkpoint_steps: int = 20
+    auto_checkpoint_keep: int = 2
+    # An operation running longer than this fails with an error saying so.
+    op_time_limit_seconds: float = 600.0
+    # A seq_id the worker never received (and that was not refused) is skipped after this long.
+    gap_timeout_seconds: float = 60.0
+    api_threads: int = 256
     device: str | None = None
     s3_endpoint: str = ""
     s3_bucket: str = "treadle"
@@ -52,7 +62,14 @@ class PlatformConfig:
             data_dir=Path(env.get("TREADLE_DATA_DIR") or DEFAULT_DATA_DIR),
             cache_dir=Path(env.get("TREADLE_CACHE_DIR") or DEFAULT_CACHE_DIR),
             admin_key=env.get("TREADLE_ADMIN_KEY", ""),
-            long_poll_seconds=float(env.get("TREADLE_LONG_POLL_SECONDS", "20")),
+            long_poll_seconds=_number(env, "TREADLE_LONG_POLL_SECONDS", 20.0),
+            worker_heartbeat_seconds=_number(env, "TREADLE_HEARTBEAT_SECONDS", 1.0),
+            lease_ttl_seconds=_number(env, "TREADLE_LEASE_TTL_SECONDS", 10.0),
+            auto_checkpoint_steps=int(_number(env, "TREADLE_AUTO_CHECKPOINT_STEPS", 20)),
+            auto_checkpoint_keep=int(_number(env, "TREADLE_AUTO_CHECKPOINT_KEEP", 2)),
+            op_time_limit_seconds=_number(env, "TREADLE_OP_TIME_LIMIT_SECONDS", 600.0),
+            gap_timeout_seconds=_number(env, "TREADLE_GAP_TIMEOUT_SECONDS", 60.0),
+            api_threads=int(_number(env, "TREADLE_API_THREADS", 256)),
             device=env.get("TREADLE_DEVICE") or None,
             s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
             s3_bucket=env.get("TREADLE_S3_BUCKET") or "treadle",
@@ -72,6 +89,13 @@ class PlatformConfig:
             "TREADLE_DATA_DIR": str(self.data_dir),
             "TREADLE_CACHE_DIR": str(self.cache_dir),
             "TREADLE_LONG_POLL_SECONDS": str(self.long_poll_seconds),
+            "TREADLE_HEARTBEAT_SECONDS": str(self.worker_heartbeat_seconds),
+            "TREADLE_LEASE_TTL_SECONDS": str(self.lease_ttl_seconds),
+            "TREADLE_AUTO_CHECKPOINT_STEPS": str(self.auto_checkpoint_steps),
+            "TREADLE_AUTO_CHECKPOINT_KEEP": str(self.auto_checkpoint_keep),
+            "TREADLE_OP_TIME_LIMIT_SECONDS": str(self.op_time_limit_seconds),
+            "TREADLE_GAP_TIMEOUT_SECONDS": str(self.gap_timeout_seconds),
+            "TREADLE_API_THREADS": str(self.api_threads),
         }
         if self.admin_key:
             env["TREADLE_ADMIN_KEY"] = self.admin_key
@@ -86,3 +110,16 @@ class PlatformConfig:
                 TREADLE_S3_REGION=self.s3_region,
             )
         return env
+
+
+def _number(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number of 0 or more, got {raw!r}")
+    return value

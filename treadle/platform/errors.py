@@ -11,7 +11,9 @@ __all__ = [
     "AuthenticationError",
     "ConflictError",
     "NotFoundError",
+    "OperationCancelledError",
     "PermissionDeniedError",
+    "TimeLimitExceededError",
     "TreadleError",
     "UnavailableError",
     "ValidationError",
@@ -75,3 +77,19 @@ class UnavailableError(TreadleError):
     status = 503
     code = "unavailable"
     category = "server"
+
+
+class OperationCancelledError(TreadleError):
+    """The operation was stopped while it ran (its session was stopped)."""
+
+    status = 409
+    code = "cancelled"
+    category = "user"
+
+
+class TimeLimitExceededError(TreadleError, TimeoutError):
+    """The operation ran longer than the platform's execution time limit and was stopped."""
+
+    status = 408
+    code = "time_limit_exceeded"
+    category = "user"

@@ -20,6 +20,10 @@ from treadle.platform.schema import events, sessions
 EVENT_TYPES = (
     "SessionCreated",
     "SessionLeased",
+    "SessionReleased",
+    "SessionRecovered",
+    "SessionDiverged",
+    "SessionFailed",
     "SessionStopped",
     "OperationRequested",
     "OperationCompleted",
@@ -27,6 +31,7 @@ EVENT_TYPES = (
     "OperationsSkipped",
     "CheckpointSaved",
     "CheckpointDeleted",
+    "AutoCheckpointSaved",
 )
 
 

@@ -2,8 +2,11 @@
 
 Admission appends `OperationRequested` and the `operations` row in one transaction; the caller
 enqueues the wake-up only after commit. A resent (session, seq_id) returns the same request id; a
-different payload under a used seq_id is refused. Settlement appends `OperationCompleted` or
-`OperationFailed` in one transaction guarded by the worker's lease epoch.
+different payload under a used seq_id is refused. A training seq_id refused at admission is
+remembered (not logged: a refused request appends no event), and the worker applies the next
+operation after it at once, as if the refused seq_id had never been reserved. Settlement appends
+`OperationCompleted` (with the state hashes of a state-changing operation) or `OperationFailed`
+in one transaction guarded by the worker's lease epoch.
 Imports nothing from api, gpu_worker or torch.
 """
 
@@ -20,23 +23,11 @@ import sqlalchemy as sa
 
 from treadle.platform import events
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
-from treadle.platform.schema import operations, sessions
-from treadle.platform.sessions import get_session
+from treadle.platform.leases import StaleLeaseError, hold
+from treadle.platform.optypes import OpStatus, OpType, Payload
+from treadle.platform.schema import operations, refused_seqs, sessions
+from treadle.platform.sessions import SessionStatus, get_session
 from treadle.platform.tenants import Principal
-
-TRAINING_TYPES = (
-    "create_model",
-    "forward_backward",
-    "optim_step",
-    "save_weights_for_sampler",
-    "save_weights",
-    "load_weights",
-)
-SAMPLE_TYPES = ("sample",)
-
-
-class StaleLeaseError(Exception):
-    """The worker's lease epoch is no longer current: its write is refused."""
 
 
 @dataclass(frozen=True)
@@ -53,15 +44,16 @@ class OperationRow:
     session_id: str
     sampler_id: str | None
     seq_id: int
-    type: str
-    status: str
+    type: OpType
+    status: OpStatus
     request_position: int
     result: Any
     error: Any
+    state: Any = None  # state hashes recorded at completion, for a state-changing operation
 
     @property
     def is_done(self) -> bool:
-        return self.status != "pending"
+        return self.status != OpStatus.PENDING
 
 
 def payload_hash(payload: Mapping[str, Any]) -> str:
@@ -73,17 +65,18 @@ def admit(
     principal: Principal,
     session_id: str,
     seq_id: int,
-    op_type: str,
-    payload: Mapping[str, Any],
+    payload: Payload,
     *,
     sampler_id: str | None = None,
 ) -> Admission:
     """Append an operation request (or find the identical one already appended)."""
-    assert op_type in TRAINING_TYPES + SAMPLE_TYPES, op_type
+    assert payload.is_ordered == (sampler_id is None), (payload.TYPE, sampler_id)
+    op_type = payload.TYPE
     if seq_id < 0:
         raise ValidationError(f"seq_id must be >= 0, got {seq_id}")
     session = get_session(conn, principal, session_id, for_update=True)
-    digest = payload_hash(payload)
+    data = payload.to_json()
+    digest = payload_hash(data)
     key = operations.c.sampler_id == sampler_id if sampler_id else operations.c.sampler_id.is_(None)
     existing = conn.execute(
         sa.select(operations.c.request_id, operations.c.payload_hash, operations.c.type).where(
@@ -106,6 +99,12 @@ def admit(
             f"seq_id {seq_id} of {session_id} is behind the last applied operation "
             f"({session.last_applied_seq}); training operations must use increasing seq_ids"
         )
+    if sampler_id is None:  # a refused seq_id sent again, now acceptable: it is no hole
+        conn.execute(
+            sa.delete(refused_seqs).where(
+                refused_seqs.c.session_id == session_id, refused_seqs.c.seq_id == seq_id
+            )
+        )
     request_id = "req-" + uuid.uuid4().hex
     event = events.append(
         conn,
@@ -117,7 +116,7 @@ def admit(
             "seq_id": seq_id,
             "type": op_type,
             "sampler_id": sampler_id,
-            "payload": dict(payload),
+            "payload": data,
         },
         actor=principal.key_id,
     )
@@ -129,7 +128,7 @@ def admit(
             sampler_id=sampler_id,
             seq_id=seq_id,
             type=op_type,
-            status="pending",
+            status=OpStatus.PENDING,
             payload_hash=digest,
             request_position=event.position,
         )
@@ -149,7 +148,8 @@ def get_operation(
     return _row(row)
 
 
-def pending_training_op(conn: sa.Connection, session_id: str, seq_id: int) -> OperationRow | None:
+def training_op_at(conn: sa.Connection, session_id: str, seq_id: int) -> OperationRow | None:
+    """The session's training operation at `seq_id`, whatever its status."""
     row = conn.execute(
         sa.select(operations).where(
             operations.c.session_id == session_id,
@@ -161,19 +161,34 @@ def pending_training_op(conn: sa.Connection, session_id: str, seq_id: int) -> Op
 
 
 def completed_training_ops(
-    conn: sa.Connection, session_id: str, up_to_seq: int
+    conn: sa.Connection, session_id: str, *, after_seq: int, up_to_seq: int
 ) -> list[OperationRow]:
+    """The session's completed training operations with after_seq < seq_id <= up_to_seq."""
     rows = conn.execute(
         sa.select(operations)
         .where(
             operations.c.session_id == session_id,
             operations.c.sampler_id.is_(None),
+            operations.c.seq_id > after_seq,
             operations.c.seq_id <= up_to_seq,
-            operations.c.status == "completed",
+            operations.c.status == OpStatus.COMPLETED,
         )
         .order_by(operations.c.seq_id)
     )
     return [_row(r) for r in rows]
+
+
+def snapshot_seq(conn: sa.Connection, session_id: str, sampler_id: str) -> int | None:
+    """The seq_id of the completed save_weights_for_sampler that made `sampler_id`'s snapshot."""
+    return conn.execute(
+        sa.select(operations.c.seq_id).where(
+            operations.c.session_id == session_id,
+            operations.c.sampler_id.is_(None),
+            operations.c.type == OpType.SAVE_WEIGHTS_FOR_SAMPLER,
+            operations.c.status == OpStatus.COMPLETED,
+            operations.c.result["sampling_session_id"].astext == sampler_id,
+        )
+    ).scalar_one_or_none()
 
 
 def settle(
@@ -185,44 +200,48 @@ def settle(
     result: Mapping[str, Any] | None,
     error: Mapping[str, Any] | None,
     usage: Mapping[str, Any],
+    state: Mapping[str, str] | None = None,
     also: Callable[[sa.Connection], None] | None = None,
 ) -> bool:
     """Record an operation's outcome. Returns False when it had already been settled (duplicate).
 
     Raises StaleLeaseError when this worker no longer holds the session's lease at `lease_epoch`.
-    `also` runs inside the same transaction when the operation succeeded (e.g. registering the
-    checkpoint it saved).
+    `state` holds the adapter's state hashes after a state-changing operation. `also` runs inside
+    the same transaction when the operation succeeded (e.g. registering the checkpoint it saved).
     """
-    session = get_session(conn, None, op.session_id, for_update=True)
-    if session.worker_id != worker_id or session.lease_epoch != lease_epoch:
-        raise StaleLeaseError(
-            f"{worker_id} epoch {lease_epoch} no longer holds {op.session_id} "
-            f"({session.worker_id} epoch {session.lease_epoch} does)"
-        )
+    session = hold(conn, op.session_id, worker_id, lease_epoch)
     current = get_operation(conn, None, op.request_id)
     if current.is_done:
         return False
     if op.sampler_id is None:
-        if session.last_applied_seq != op.seq_id - 1:
+        # Only seq_ids refused at admission may lie between the last applied one and this.
+        if refused_run(conn, op.session_id, session.last_applied_seq + 1) != op.seq_id - 1:
             raise StaleLeaseError(
                 f"{op.session_id}: seq {op.seq_id} settled out of order "
                 f"(last applied {session.last_applied_seq})"
             )
+        conn.execute(
+            sa.delete(refused_seqs).where(
+                refused_seqs.c.session_id == op.session_id, refused_seqs.c.seq_id < op.seq_id
+            )
+        )
         conn.execute(
             sa.update(sessions)
             .where(sessions.c.id == op.session_id)
             .values(
                 last_applied_seq=op.seq_id,
                 status=sa.case(
-                    (sessions.c.status == "Created", "Running"), else_=sessions.c.status
+                    (sessions.c.status == SessionStatus.CREATED, SessionStatus.RUNNING),
+                    else_=sessions.c.status,
                 ),
             )
         )
     data = {"request_id": op.request_id, "seq_id": op.seq_id, "type": op.type, **usage}
     if error is None:
-        events.append(
-            conn, op.session_id, op.tenant_id, "OperationCompleted", {**data, "result": result}
-        )
+        completed = {**data, "result": result}
+        if state is not None:
+            completed["state"] = dict(state)
+        events.append(conn, op.session_id, op.tenant_id, "OperationCompleted", completed)
         if also is not None:
             also(conn)
     else:
@@ -233,9 +252,10 @@ def settle(
         sa.update(operations)
         .where(operations.c.request_id == op.request_id)
         .values(
-            status="completed" if error is None else "failed",
+            status=OpStatus.COMPLETED if error is None else OpStatus.FAILED,
             result=result,
             error=error,
+            state=None if error is not None or state is None else dict(state),
             completed_at=sa.func.now(),
         )
     )
@@ -249,11 +269,12 @@ def _row(row: sa.Row[Any]) -> OperationRow:
         session_id=row.session_id,
         sampler_id=row.sampler_id,
         seq_id=row.seq_id,
-        type=row.type,
-        status=row.status,
+        type=OpType(row.type),
+        status=OpStatus(row.status),
         request_position=row.request_position,
         result=row.result,
         error=row.error,
+        state=row.state,
     )
 
 
@@ -267,7 +288,7 @@ def oldest_pending_training_op(conn: sa.Connection, session_id: str) -> tuple[in
         .where(
             operations.c.session_id == session_id,
             operations.c.sampler_id.is_(None),
-            operations.c.status == "pending",
+            operations.c.status == OpStatus.PENDING,
         )
         .order_by(operations.c.seq_id)
         .limit(1)
@@ -285,7 +306,7 @@ def stale_pending(
         sa.select(operations.c.session_id, operations.c.request_id)
         .where(
             operations.c.session_id.in_(session_ids),
-            operations.c.status == "pending",
+            operations.c.status == OpStatus.PENDING,
             operations.c.created_at
             < sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, min_age),
         )
@@ -294,44 +315,107 @@ def stale_pending(
     return [(r.session_id, r.request_id) for r in rows]
 
 
+# --- holes in the seq_id sequence ---------------------------------------------------------
+
+
+def record_refusal(conn: sa.Connection, principal: Principal, session_id: str, seq_id: int) -> bool:
+    """Remember that the request for a training `seq_id` was refused at admission, so the
+    session's next operations do not wait for it. Nothing is logged: a refused request appends
+    no event. Ignored for another tenant's session, a used seq_id or one already applied."""
+    used = sa.exists().where(
+        operations.c.session_id == session_id,
+        operations.c.sampler_id.is_(None),
+        operations.c.seq_id == seq_id,
+    )
+    source = sa.select(sessions.c.id, sa.literal(seq_id, sa.BigInteger)).where(
+        sessions.c.id == session_id,
+        sessions.c.tenant_id == principal.tenant_id,
+        sessions.c.last_applied_seq < seq_id,
+        ~used,
+    )
+    stmt = sa.dialects.postgresql.insert(refused_seqs).from_select(["session_id", "seq_id"], source)
+    inserted = conn.execute(stmt.on_conflict_do_nothing().returning(refused_seqs.c.seq_id))
+    return inserted.first() is not None
+
+
+def refused_run(conn: sa.Connection, session_id: str, from_seq: int) -> int:
+    """The last seq_id of the unbroken run of refused seq_ids starting at `from_seq`
+    (from_seq - 1 when `from_seq` itself was not refused)."""
+    seqs = conn.execute(
+        sa.select(refused_seqs.c.seq_id)
+        .where(refused_seqs.c.session_id == session_id, refused_seqs.c.seq_id >= from_seq)
+        .order_by(refused_seqs.c.seq_id)
+        .limit(10_000)
+    ).scalars()
+    last = from_seq - 1
+    for seq in seqs:
+        if seq != last + 1:
+            break
+        last = seq
+    return last
+
+
 def skip_gap(
-    conn: sa.Connection, session_id: str, worker_id: str, lease_epoch: int, to_seq: int
+    conn: sa.Connection,
+    session_id: str,
+    worker_id: str,
+    lease_epoch: int,
+    to_seq: int,
+    reason: str,
 ) -> bool:
-    """Give up waiting for seq_ids that never arrived (a request the client failed to deliver)."""
-    session = get_session(conn, None, session_id, for_update=True)
-    if session.worker_id != worker_id or session.lease_epoch != lease_epoch:
-        return False
-    if session.last_applied_seq >= to_seq - 1:
+    """Move the session past seq_ids it never received (and that were not refused: the next
+    operation runs over those without this), up to `to_seq` - 1, appending OperationsSkipped. Never skips a seq_id that has a
+    request: admission and this both hold the session row's lock. Returns whether it moved.
+    Raises StaleLeaseError unless the worker holds the session at `lease_epoch`."""
+    session = hold(conn, session_id, worker_id, lease_epoch)
+    first = session.last_applied_seq + 1
+    lowest_used = conn.execute(
+        sa.select(sa.func.min(operations.c.seq_id)).where(
+            operations.c.session_id == session_id,
+            operations.c.sampler_id.is_(None),
+            operations.c.seq_id >= first,
+        )
+    ).scalar_one_or_none()
+    if lowest_used is not None:
+        to_seq = min(to_seq, lowest_used)
+    if to_seq <= first:
         return False
     conn.execute(
         sa.update(sessions).where(sessions.c.id == session_id).values(last_applied_seq=to_seq - 1)
+    )
+    conn.execute(
+        sa.delete(refused_seqs).where(
+            refused_seqs.c.session_id == session_id, refused_seqs.c.seq_id < to_seq
+        )
     )
     events.append(
         conn,
         session_id,
         session.tenant_id,
         "OperationsSkipped",
-        {
-            "from_seq": session.last_applied_seq + 1,
-            "to_seq": to_seq - 1,
-            "reason": "these seq_ids were never received; later operations went ahead",
-        },
+        {"from_seq": first, "to_seq": to_seq - 1, "reason": reason},
     )
     return True
 
 
-def fail_pending(conn: sa.Connection, session_id: str, reason: str) -> list[str]:
-    """Fail every pending operation of a stopped session, so no client waits on it forever.
-
-    A worker finishing one of them concurrently finds it settled and drops its result.
+def fail_pending(
+    conn: sa.Connection,
+    session_id: str,
+    reason: str,
+    *,
+    code: str = "session_stopped",
+    category: str = "user",
+) -> list[str]:
+    """Fail every pending operation of a stopped (or diverged) session, so no client waits on it
+    forever. A worker finishing one of them concurrently finds it settled and drops its result.
     """
     rows = conn.execute(
         sa.select(operations)
-        .where(operations.c.session_id == session_id, operations.c.status == "pending")
+        .where(operations.c.session_id == session_id, operations.c.status == OpStatus.PENDING)
         .order_by(operations.c.seq_id)
         .with_for_update()
     ).all()
-    error = {"category": "user", "code": "session_stopped", "message": reason}
+    error = {"category": category, "code": code, "message": reason}
     for row in rows:
         events.append(
             conn,
@@ -344,6 +428,6 @@ def fail_pending(conn: sa.Connection, session_id: str, reason: str) -> list[str]
         conn.execute(
             sa.update(operations)
             .where(operations.c.request_id.in_([r.request_id for r in rows]))
-            .values(status="failed", error=error, completed_at=sa.func.now())
+            .values(status=OpStatus.FAILED, error=error, completed_at=sa.func.now())
         )
     return [r.request_id for r in rows]

@@ -36,8 +36,9 @@ def make_celery(redis_url: str) -> Celery:
     return app
 
 
-def wake(app: Celery, session_id: str, request_id: str) -> None:
-    """Tell the session's worker that `request_id` is in the log. Call only after commit."""
+def wake(app: Celery, session_id: str, request_id: str | None) -> None:
+    """Tell the session's worker that `request_id` is in the log (None: look at the session).
+    Call only after commit."""
     app.send_task(WAKE_TASK, args=[session_id, request_id], queue=session_queue(session_id))
 
 

@@ -126,6 +126,7 @@ operations = sa.Table(
     sa.Column("request_position", sa.BigInteger, nullable=False),
     sa.Column("result", JSONB),
     sa.Column("error", JSONB),
+    sa.Column("state", JSONB),  # state hashes recorded when a state-changing operation completed
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("completed_at", sa.DateTime(timezone=True)),
     sa.Index(
@@ -173,4 +174,37 @@ checkpoints = sa.Table(
     sa.UniqueConstraint(
         "tenant_id", "model_package_group", "version", name="uq_checkpoints_version"
     ),
+)
+
+# Projection: the platform's own checkpoints of a session, from which recovery starts. `kind` is
+# "auto" (every N optimizer steps) or "loaded" (a copy of a checkpoint the session loaded).
+auto_checkpoints = sa.Table(
+    "auto_checkpoints",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("session_id", sa.Text, sa.ForeignKey("sessions.id"), nullable=False),
+    sa.Column("seq_id", sa.BigInteger, nullable=False),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("storage_prefix", sa.Text, nullable=False),
+    sa.Column("state", JSONB, nullable=False),
+    sa.Column("size_bytes", sa.BigInteger, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("deleted_at", sa.DateTime(timezone=True)),
+    sa.Index(
+        "uq_auto_checkpoints_live_seq",
+        "session_id",
+        "seq_id",
+        unique=True,
+        postgresql_where=sa.text("deleted_at IS NULL"),
+    ),
+)
+
+# seq_ids whose request was refused at admission: the worker moves past them without waiting.
+refused_seqs = sa.Table(
+    "refused_seqs",
+    metadata,
+    sa.Column("session_id", sa.Text, sa.ForeignKey("sessions.id"), primary_key=True),
+    sa.Column("seq_id", sa.BigInteger, primary_key=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )

@@ -11,16 +11,29 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import sqlalchemy as sa
 
 from treadle.platform import events
 from treadle.platform.errors import NotFoundError, ValidationError
-from treadle.platform.schema import client_sessions, samplers, sessions, workers
+from treadle.platform.schema import client_sessions, samplers, sessions
 from treadle.platform.tenants import Principal
 
-ACTIVE_STATUSES = ("Created", "Running")
+
+class SessionStatus(StrEnum):
+    CREATED = "Created"
+    RUNNING = "Running"
+    STOPPED = "Stopped"
+    # Replay did not reproduce the recorded state: the session stopped rather than go on
+    # training weights that differ from what its log says.
+    DIVERGED = "Diverged"
+    # The session cannot be rebuilt (a file its recovery needs is gone): it stopped.
+    FAILED = "Failed"
+
+
+ACTIVE_STATUSES = (SessionStatus.CREATED, SessionStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,7 @@ def create_client_session(
             tenant_id=principal.tenant_id,
             tags=list(tags),
             user_metadata=dict(user_metadata),
-            status="Running",
+            status=SessionStatus.RUNNING,
         )
     )
     return session_id
@@ -121,7 +134,7 @@ def create_session(
         lora_config=dict(lora_config or {}),
         user_metadata=dict(user_metadata or {}),
         model_package_group=model_package_group,
-        status="Created",
+        status=SessionStatus.CREATED,
     )
     inserted = conn.execute(
         stmt.on_conflict_do_nothing(index_elements=["id"]).returning(sessions.c.id)
@@ -256,7 +269,9 @@ def stop_session(conn: sa.Connection, principal: Principal, session_id: str, rea
     session = get_session(conn, principal, session_id, for_update=True)
     if not session.is_active:
         return False
-    conn.execute(sa.update(sessions).where(sessions.c.id == session_id).values(status="Stopped"))
+    conn.execute(
+        sa.update(sessions).where(sessions.c.id == session_id).values(status=SessionStatus.STOPPED)
+    )
     events.append(
         conn,
         session_id,
@@ -266,6 +281,17 @@ def stop_session(conn: sa.Connection, principal: Principal, session_id: str, rea
         actor=principal.key_id,
     )
     return True
+
+
+def halt_session(
+    conn: sa.Connection, session: SessionRow, status: SessionStatus, data: Mapping[str, Any]
+) -> None:
+    """End a session that can no longer be trusted (DIVERGED) or rebuilt (FAILED), appending
+    SessionDiverged or SessionFailed with `data`. The caller holds the session's lease."""
+    assert status in (SessionStatus.DIVERGED, SessionStatus.FAILED), status
+    conn.execute(sa.update(sessions).where(sessions.c.id == session.id).values(status=status))
+    event = "SessionDiverged" if status == SessionStatus.DIVERGED else "SessionFailed"
+    events.append(conn, session.id, session.tenant_id, event, dict(data))
 
 
 def finish_client_session(
@@ -287,95 +313,6 @@ def finish_client_session(
     return [i for i in list(ids) if stop_session(conn, principal, i, reason)]
 
 
-# --- workers and leases -------------------------------------------------------------------
-
-
-def heartbeat_worker(conn: sa.Connection, worker_id: str, info: Mapping[str, Any]) -> None:
-    stmt = sa.dialects.postgresql.insert(workers).values(id=worker_id, info=dict(info))
-    conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=["id"], set_={"heartbeat_at": sa.func.now(), "info": dict(info)}
-        )
-    )
-
-
-def live_workers(conn: sa.Connection, ttl_seconds: float) -> list[str]:
-    return list(
-        conn.execute(
-            sa.select(workers.c.id)
-            .where(
-                workers.c.heartbeat_at
-                > sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, ttl_seconds)
-            )
-            .order_by(workers.c.id)
-        ).scalars()
-    )
-
-
-def place_session(conn: sa.Connection, session_id: str, ttl_seconds: float) -> str | None:
-    """Lease an unleased session to the live worker with the fewest active sessions.
-
-    Returns the worker id, or None when no worker is alive (a worker claims it when it starts).
-    """
-    live = live_workers(conn, ttl_seconds)
-    if not live:
-        return None
-    load: dict[str, int] = dict(
-        conn.execute(
-            sa.select(sessions.c.worker_id, sa.func.count())
-            .where(sessions.c.worker_id.in_(live), sessions.c.status.in_(ACTIVE_STATUSES))
-            .group_by(sessions.c.worker_id)
-        ).all()
-    )
-    worker_id = min(live, key=lambda w: (load.get(w, 0), w))
-    return worker_id if lease_session(conn, session_id, worker_id, only_if_unleased=True) else None
-
-
-def lease_session(
-    conn: sa.Connection, session_id: str, worker_id: str, *, only_if_unleased: bool
-) -> bool:
-    """Give a session's lease to a worker with epoch + 1 (appends SessionLeased)."""
-    query = sa.update(sessions).where(sessions.c.id == session_id)
-    if only_if_unleased:
-        query = query.where(sessions.c.worker_id.is_(None))
-    row = conn.execute(
-        query.values(worker_id=worker_id, lease_epoch=sessions.c.lease_epoch + 1).returning(
-            sessions.c.tenant_id, sessions.c.lease_epoch
-        )
-    ).first()
-    if row is None:
-        return False
-    events.append(
-        conn,
-        session_id,
-        row.tenant_id,
-        "SessionLeased",
-        {"worker_id": worker_id, "epoch": row.lease_epoch},
-    )
-    return True
-
-
-def unleased_sessions(conn: sa.Connection, limit: int = 50) -> list[str]:
-    return list(
-        conn.execute(
-            sa.select(sessions.c.id)
-            .where(sessions.c.worker_id.is_(None), sessions.c.status.in_(ACTIVE_STATUSES))
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        ).scalars()
-    )
-
-
-def sessions_leased_to(conn: sa.Connection, worker_id: str) -> list[str]:
-    return list(
-        conn.execute(
-            sa.select(sessions.c.id).where(
-                sessions.c.worker_id == worker_id, sessions.c.status.in_(ACTIVE_STATUSES)
-            )
-        ).scalars()
-    )
-
-
 def ensure_valid_name(name: str | None) -> str | None:
     if name is None:
         return None
@@ -384,35 +321,3 @@ def ensure_valid_name(name: str | None) -> str | None:
             "training_session_name must be 1-128 characters with no '/' or NUL, and not '.' or '..'"
         )
     return name
-
-
-def release_leases(conn: sa.Connection, worker_id: str) -> list[str]:
-    """A worker shutting down cleanly gives its sessions back, so another can take them at once."""
-    return list(
-        conn.execute(
-            sa.update(sessions)
-            .where(sessions.c.worker_id == worker_id)
-            .values(worker_id=None)
-            .returning(sessions.c.id)
-        ).scalars()
-    )
-
-
-def orphaned_sessions(conn: sa.Connection, ttl_seconds: float, limit: int = 50) -> list[str]:
-    """Active sessions leased to a worker that has not heartbeated within `ttl_seconds`."""
-    live = sa.select(workers.c.id).where(
-        workers.c.heartbeat_at
-        > sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, ttl_seconds)
-    )
-    return list(
-        conn.execute(
-            sa.select(sessions.c.id)
-            .where(
-                sessions.c.worker_id.is_not(None),
-                sessions.c.worker_id.not_in(live),
-                sessions.c.status.in_(ACTIVE_STATUSES),
-            )
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        ).scalars()
-    )

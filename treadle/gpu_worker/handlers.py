@@ -1,0 +1,205 @@
+"""The worker's dispatch table: one handler per `OpType`, shared by live execution and replay.
+
+A handler runs one operation's payload on the engine against `call.adapter_id` and returns its
+`Outcome` (the result the client sees, tokens by class, and what to register in the settlement's
+transaction). In replay (`call.live` false) it writes no files and registers nothing: the log
+already holds what it did. Imports platform and the engine; never api.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import sqlalchemy as sa
+
+from treadle.gpu_worker import checkpoint_io
+from treadle.gpu_worker.engine import (
+    AdamSpec,
+    Engine,
+    EngineDatum,
+    Interrupt,
+    LoraSpec,
+    SamplingSpec,
+)
+from treadle.platform import auto_checkpoints
+from treadle.platform.optypes import (
+    CreateModel,
+    ForwardBackward,
+    LoadWeights,
+    OptimStep,
+    OpType,
+    Payload,
+    Sample,
+    SaveWeights,
+    SaveWeightsForSampler,
+)
+from treadle.platform.storage import ObjectStore
+
+Registration = Callable[[sa.Connection], None]
+
+
+def no_tokens() -> dict[str, int]:
+    return {"prefill": 0, "sample": 0, "train": 0}
+
+
+@dataclass
+class Outcome:
+    result: dict[str, Any]
+    tokens: dict[str, int] = field(default_factory=no_tokens)
+    also: Registration | None = None  # runs in the settlement's transaction if it succeeded
+    point: auto_checkpoints.AutoCheckpoint | None = None  # a recovery point it wrote
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a handler runs against: the session's adapter (or a scratch one, in a rebuild)."""
+
+    engine: Engine
+    store: ObjectStore
+    tenant_id: str
+    session_id: str
+    base_model: str
+    adapter_id: str
+    seq_id: int
+    live: bool
+    interrupt: Interrupt | None = None
+
+
+def create_model(call: Call, p: CreateModel) -> Outcome:
+    if call.engine.has_adapter(call.adapter_id):
+        call.engine.drop_adapter(call.adapter_id)
+    call.engine.create_adapter(
+        call.adapter_id, p.base_model, LoraSpec(**p.lora_config.model_dump())
+    )
+    return Outcome({"model_id": call.session_id})
+
+
+def load_weights(call: Call, p: LoadWeights) -> Outcome:
+    checkpoint_io.load(
+        call.engine,
+        call.store,
+        call.adapter_id,
+        p.base_model,
+        p.prefix,
+        with_optimizer=p.optimizer,
+    )
+    outcome = Outcome({"model_id": call.session_id, "path": p.path})
+    if call.live:
+        # Keep a copy: recovery must not depend on a file the user can delete or let expire.
+        prefix = auto_checkpoints.storage_prefix(call.tenant_id, call.session_id, call.seq_id)
+        size = checkpoint_io.write_point(call.engine, call.store, call.adapter_id, prefix)
+        state = call.engine.state_hashes(call.adapter_id)
+        point = auto_checkpoints.AutoCheckpoint(
+            call.session_id, call.seq_id, auto_checkpoints.LOADED, prefix, state, size
+        )
+        outcome.point = point
+        outcome.also = lambda conn: auto_checkpoints.record(
+            conn, tenant_id=call.tenant_id, checkpoint=point
+        )
+    return outcome
+
+
+def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
+    data = [
+        EngineDatum(
+            tokens=tuple(d.tokens),
+            loss_fn_inputs={
+                name: np.asarray(t.data, dtype=t.dtype).reshape(t.shape)
+                for name, t in d.loss_fn_inputs.items()
+            },
+        )
+        for d in p.data
+    ]
+    out = call.engine.forward_backward(
+        call.adapter_id,
+        data,
+        p.loss_fn,
+        p.loss_fn_config,
+        forward_only=p.forward_only,
+        interrupt=call.interrupt,
+    )
+    tokens = no_tokens()
+    tokens["prefill" if p.forward_only else "train"] = out.train_tokens
+    outputs = [
+        {name: _tensor_json(arr) for name, arr in per_datum.items()} for per_datum in out.outputs
+    ]
+    return Outcome({"loss_fn_outputs": outputs, "metrics": out.metrics}, tokens)
+
+
+def optim_step(call: Call, p: OptimStep) -> Outcome:
+    spec = AdamSpec(**p.model_dump())
+    return Outcome({"metrics": call.engine.optim_step(call.adapter_id, spec)})
+
+
+def save_weights(call: Call, p: SaveWeights) -> Outcome:
+    assert call.live, "a checkpoint save is never replayed"
+    result, register = checkpoint_io.save(
+        call.engine, call.store, call.adapter_id, call.tenant_id, p
+    )
+    return Outcome(result, also=register)
+
+
+def save_weights_for_sampler(call: Call, p: SaveWeightsForSampler) -> Outcome:
+    call.engine.snapshot(call.adapter_id, p.sampler_id)
+    return Outcome({"sampling_session_id": p.sampler_id})
+
+
+def sample(call: Call, p: Sample) -> Outcome:
+    params = p.params
+    spec = SamplingSpec(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop=None if params.stop is None else tuple(params.stop),  # a list on the wire
+    )
+    if p.checkpoint_prefix:
+        assert p.snapshot_id is not None, "a checkpoint sampler always names its snapshot"
+        checkpoint_io.ensure_snapshot(
+            call.engine, call.store, p.snapshot_id, call.base_model, p.checkpoint_prefix
+        )
+    out = call.engine.sample(
+        call.base_model,
+        p.snapshot_id,
+        p.prompt,
+        p.num_samples,
+        spec,
+        prompt_logprobs=p.prompt_logprobs,
+        topk_prompt_logprobs=p.topk_prompt_logprobs,
+        interrupt=call.interrupt,
+    )
+    result = {
+        "sequences": [
+            {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
+            for s in out.sequences
+        ],
+        "prompt_logprobs": out.prompt_logprobs,
+        "topk_prompt_logprobs": out.topk_prompt_logprobs,
+    }
+    tokens = {"prefill": out.prefill_tokens, "sample": out.sample_tokens, "train": 0}
+    return Outcome(result, tokens)
+
+
+HANDLERS: dict[OpType, Callable[[Call, Any], Outcome]] = {
+    OpType.CREATE_MODEL: create_model,
+    OpType.LOAD_WEIGHTS: load_weights,
+    OpType.FORWARD_BACKWARD: forward_backward,
+    OpType.OPTIM_STEP: optim_step,
+    OpType.SAVE_WEIGHTS: save_weights,
+    OpType.SAVE_WEIGHTS_FOR_SAMPLER: save_weights_for_sampler,
+    OpType.SAMPLE: sample,
+}
+assert set(HANDLERS) == set(OpType), "every operation type needs a handler"
+
+
+def run(call: Call, payload: Payload) -> Outcome:
+    return HANDLERS[payload.TYPE](call, payload)
+
+
+def _tensor_json(array: np.ndarray) -> dict[str, Any]:
+    dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
+    return {"dtype": dtype, "shape": list(array.shape), "data": array.reshape(-1).tolist()}

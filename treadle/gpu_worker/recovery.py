@@ -1,0 +1,179 @@
+"""Rebuilding a training session's adapter from its log: the newest automatic checkpoint at or
+before the target seq_id, then a verified replay of the state-changing operations after it.
+
+Each replayed step's state hashes are compared with those its completion recorded, and a loaded
+checkpoint's with those recorded when it was written; any difference raises `Diverged` (the
+caller marks the session diverged rather than train on weights its log does not describe). A
+rebuild that cannot find what it needs raises `Unrecoverable`. Writing automatic checkpoints and
+pruning old ones lives here too. Imports platform and the engine; never api.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from treadle.gpu_worker import checkpoint_io, handlers
+from treadle.gpu_worker.engine import Engine, Interrupt
+from treadle.platform import auto_checkpoints, events, operations
+from treadle.platform.errors import TreadleError
+from treadle.platform.optypes import OptimStep, SaveWeightsForSampler, parse_payload
+from treadle.platform.sessions import SessionRow
+from treadle.platform.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+class Diverged(Exception):
+    """Replaying the log did not reproduce the state it recorded."""
+
+    def __init__(self, seq_id: int, what: str, part: str, expected: str, actual: str) -> None:
+        super().__init__(f"seq {seq_id} ({what}): {part} hash {actual} != recorded {expected}")
+        self.seq_id, self.what, self.part = seq_id, what, part
+        self.expected, self.actual = expected, actual
+
+
+class Unrecoverable(Exception):
+    """The session cannot be rebuilt: something its replay needs is gone."""
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    from_seq: int  # the recovery point's seq_id, or -1 (replayed from the start)
+    to_seq: int
+    replayed: int
+    optim_steps_since_point: int
+    seconds: float
+
+
+def rebuild(
+    db: sa.Engine,
+    engine: Engine,
+    store: ObjectStore,
+    session: SessionRow,
+    *,
+    adapter_id: str,
+    up_to_seq: int,
+    snapshots: Container[str] | None = None,
+    interrupt: Interrupt | None = None,
+) -> Rebuilt:
+    """Build `adapter_id` as `session`'s adapter stood after `up_to_seq`, verified step by step.
+
+    `snapshots` limits which samplers' snapshots the replay re-creates (None: all of them).
+    Raises Diverged, Unrecoverable, or what the store or database raise (transient: retry).
+    """
+    started = time.monotonic()
+    with db.connect() as conn:
+        points = auto_checkpoints.newest_first(conn, session.id, at_or_before=up_to_seq)
+    if engine.has_adapter(adapter_id):
+        engine.drop_adapter(adapter_id)
+    point = _load_newest_point(engine, store, session, adapter_id, points)
+    after = point.seq_id if point is not None else -1
+    with db.connect() as conn:
+        done = operations.completed_training_ops(
+            conn, session.id, after_seq=after, up_to_seq=up_to_seq
+        )
+        requests = events.read_many(conn, [op.request_position for op in done])
+    replayed = steps = 0
+    for op in done:
+        payload = parse_payload(op.type, requests[op.request_position].data["payload"])
+        if not payload.is_replayed:
+            continue
+        if (
+            isinstance(payload, SaveWeightsForSampler)
+            and snapshots is not None
+            and payload.sampler_id not in snapshots
+        ):
+            continue
+        if interrupt is not None:
+            interrupt()
+        call = handlers.Call(
+            engine=engine,
+            store=store,
+            tenant_id=session.tenant_id,
+            session_id=session.id,
+            base_model=session.base_model,
+            adapter_id=adapter_id,
+            seq_id=op.seq_id,
+            live=False,
+        )
+        try:
+            handlers.run(call, payload)
+        except FileNotFoundError as exc:
+            raise Unrecoverable(
+                f"replaying seq {op.seq_id} ({op.type}) needs files that are gone: {exc}"
+            ) from exc
+        except TreadleError as exc:  # it ran once; running it again must not fail
+            raise Diverged(op.seq_id, op.type, "outcome", "completed", exc.message) from exc
+        if payload.changes_state and op.state:
+            _verify(engine, adapter_id, op.seq_id, op.type, op.state)
+        replayed += 1
+        steps += isinstance(payload, OptimStep)
+    return Rebuilt(after, up_to_seq, replayed, steps, time.monotonic() - started)
+
+
+def _load_newest_point(
+    engine: Engine,
+    store: ObjectStore,
+    session: SessionRow,
+    adapter_id: str,
+    points: list[auto_checkpoints.AutoCheckpoint],
+) -> auto_checkpoints.AutoCheckpoint | None:
+    """Load the newest recovery point whose files are there (an older one, or none, if the
+    newest are gone), and check it holds the state recorded when it was written."""
+    for point in points:
+        try:
+            checkpoint_io.load(
+                engine, store, adapter_id, session.base_model, point.storage_prefix,
+                with_optimizer=True,
+            )  # fmt: skip
+        except FileNotFoundError:
+            log.warning("%s: recovery point at seq %d is gone", session.id, point.seq_id)
+            continue
+        except TreadleError as exc:  # unreadable: it is not what was written
+            raise Diverged(
+                point.seq_id, f"{point.kind} checkpoint", "files", "readable", exc.message
+            ) from exc
+        _verify(engine, adapter_id, point.seq_id, f"{point.kind} checkpoint", point.state)
+        return point
+    return None
+
+
+def _verify(
+    engine: Engine, adapter_id: str, seq_id: int, what: str, recorded: Mapping[str, str]
+) -> None:
+    actual = engine.state_hashes(adapter_id, list(recorded))
+    for part, expected in recorded.items():
+        if actual[part] != expected:
+            raise Diverged(seq_id, what, part, expected, actual[part])
+
+
+def write_point(
+    db: sa.Engine,
+    engine: Engine,
+    store: ObjectStore,
+    session: SessionRow,
+    *,
+    seq_id: int,
+    keep: int,
+    hold: Callable[[sa.Connection], object],
+) -> auto_checkpoints.AutoCheckpoint:
+    """Write an automatic checkpoint of the session's adapter as it stands after `seq_id`,
+    record it (under the caller's lease, via `hold(conn)`), and prune the older ones."""
+    prefix = auto_checkpoints.storage_prefix(session.tenant_id, session.id, seq_id)
+    size = checkpoint_io.write_point(engine, store, session.id, prefix)
+    state = engine.state_hashes(session.id)
+    point = auto_checkpoints.AutoCheckpoint(
+        session.id, seq_id, auto_checkpoints.AUTO, prefix, state, size
+    )
+    with db.begin() as conn:
+        hold(conn)
+        auto_checkpoints.record(conn, tenant_id=session.tenant_id, checkpoint=point)
+        stale = auto_checkpoints.prune(conn, session.id, keep)
+    for old in stale:
+        store.delete_prefix(old + "/")
+    return point
