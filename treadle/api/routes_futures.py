@@ -2,6 +2,8 @@
 
 Answers proto bytes for forward_backward and sample results, JSON for the rest,
 `{"type": "try_again"}` while pending, and `{"error", "category"}` for a failed operation.
+The wait goes through the process's one NoticeHub and holds no database connection between
+its checks; with Redis down it answers the same, by polling the database.
 Imports platform only; never torch.
 """
 
@@ -14,7 +16,7 @@ from flask import Blueprint, Response, jsonify
 from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import RetrieveFuture, parse
 from treadle.api.wire import encode_forward_backward_output, encode_sample_response
-from treadle.platform import notify, operations
+from treadle.platform import operations
 
 bp = Blueprint("futures", __name__)
 
@@ -32,7 +34,7 @@ def retrieve_future() -> Any:
             op = operations.get_operation(conn, who, body.request_id)
         return op if op.is_done else None
 
-    op = notify.wait_until(svc.redis, body.request_id, check, svc.config.long_poll_seconds)
+    op = svc.notices.wait_until(body.request_id, check, svc.config.long_poll_seconds)
     if op is None:
         return jsonify(type="try_again", request_id=body.request_id, queue_state="active")
     if op.status == "failed":

@@ -10,7 +10,7 @@ from typing import Any
 
 from flask import Blueprint, jsonify
 
-from treadle.api.admission import place, submit
+from treadle.api.admission import place, require_live_worker, submit
 from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import CreateSamplingSession, Sample, parse
 from treadle.platform import catalog, checkpoints, optypes, validation
@@ -44,6 +44,7 @@ def create_sampling_session() -> Any:
     sampler = sessions_core.sampler_id(body.session_id, body.sampling_session_seq_id)
     with services().db.begin() as conn:
         sessions_core.get_client_session(conn, who, body.session_id)
+        require_live_worker(conn)
         sessions_core.create_session(
             conn,
             who,

@@ -1,18 +1,24 @@
 """Client bootstrap and session routes: client config, create_session, heartbeat, finish,
 server capabilities, telemetry and health. Imports platform only; never torch.
+
+/healthz reports each dependency and the live workers; it is ok (200) only when PostgreSQL and
+Redis answer and at least one worker heartbeated within the lease TTL, else 503.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-import sqlalchemy as sa
+import kombu.exceptions
 from flask import Blueprint, jsonify
 
-from treadle.api.app import json_body, principal, services
+from treadle.api.app import RETRY_AFTER_SECONDS, json_body, principal, services
 from treadle.api.schemas import CreateSession, FinishSession, SessionRef, parse
-from treadle.platform import catalog, notify, operations, routing
+from treadle.platform import catalog, leases, notify, operations, routing
 from treadle.platform import sessions as sessions_core
+
+log = logging.getLogger(__name__)
 
 bp = Blueprint("sessions", __name__)
 
@@ -21,10 +27,34 @@ bp = Blueprint("sessions", __name__)
 @bp.get("/api/v1/healthz")
 def healthz() -> Any:
     svc = services()
-    with svc.db.connect() as conn:
-        conn.execute(sa.text("SELECT 1"))
-    svc.redis.ping()
-    return jsonify(status="ok")
+    live: list[str] = []
+    try:
+        with svc.probe_db.connect() as conn:
+            live = leases.live_workers(conn, svc.config.lease_ttl_seconds)
+        database: dict[str, Any] = {"ok": True, "error": None}
+    except Exception as exc:  # reported, not raised: this route says what is down
+        database = {"ok": False, "error": _first_line(exc)}
+    try:
+        svc.probe_redis.ping()
+        redis_state: dict[str, Any] = {"ok": True, "error": None}
+    except Exception as exc:
+        redis_state = {"ok": False, "error": _first_line(exc)}
+    ok = database["ok"] and redis_state["ok"] and bool(live)
+    response = jsonify(
+        status="ok" if ok else "unavailable",
+        database=database,
+        redis=redis_state,
+        workers={"live": live, "count": len(live)},
+    )
+    if not ok:
+        response.status_code = 503
+        response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    return response
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 @bp.post("/api/v1/client/config")
@@ -91,7 +121,10 @@ def finish_session(session_id: str) -> Any:
             )
         ]
     for model_id in stopped:
-        routing.request_stop(svc.celery, model_id)
+        try:
+            routing.request_stop(svc.celery, model_id)
+        except kombu.exceptions.OperationalError as exc:  # the worker sees the stopped status
+            log.warning("could not send the stop of %s: %s", model_id, exc)
     for request_id in failed:
         notify.publish_done(svc.redis, request_id)
     return jsonify(session_id=session_id, stopped=stopped)

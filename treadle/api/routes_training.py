@@ -10,7 +10,13 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
-from treadle.api.admission import expect_seq, parse_training, place, submit
+from treadle.api.admission import (
+    expect_seq,
+    parse_training,
+    place,
+    require_live_worker,
+    submit,
+)
 from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import CreateModel, ModelRef, OptimStep, parse
 from treadle.api.wire import decode_forward_backward
@@ -43,6 +49,7 @@ def create_model() -> Any:
     svc = services()
     with svc.db.begin() as conn:
         sessions_core.get_client_session(conn, principal(), body.session_id)
+        require_live_worker(conn)
         sessions_core.create_session(
             conn,
             principal(),

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
-from treadle.gpu_worker import handlers, recovery
+from treadle.gpu_worker import faults, handlers, recovery
 from treadle.gpu_worker.engine import Engine
 from treadle.platform import events, leases, notify, operations
 from treadle.platform import sessions as sessions_core
@@ -159,11 +159,13 @@ class SessionHost:
                 session = sessions_core.get_session(conn, None, session_id)
                 if session.worker_id != self.worker_id or not session.is_active:
                     return
-                # seq_ids refused at admission are passed over, as if never reserved
-                next_seq = operations.refused_run(conn, session_id, session.last_applied_seq + 1)
-                next_seq += 1
+                next_seq = session.last_applied_seq + 1
                 op = operations.training_op_at(conn, session_id, next_seq)
                 oldest = None
+                if op is None:  # seq_ids refused at admission are passed over
+                    refused_to = operations.refused_run(conn, session_id, next_seq)
+                    if refused_to >= next_seq:
+                        op = operations.training_op_at(conn, session_id, refused_to + 1)
                 if op is None:
                     oldest = operations.oldest_pending_training_op(conn, session_id)
             if op is None:
@@ -262,8 +264,10 @@ class SessionHost:
         call = self._call(session, op)
         outcome, error, state, seconds = self._run(call, payload, op)
         try:
+            if self.config.debug_faults:
+                faults.maybe_pause(self.redis, session.id, op.type, op.seq_id, self.closing)
             settled = self._settle(session, op, outcome, error, state, seconds)
-        except Exception:
+        except BaseException:
             self._discard(session.id)  # whether it committed is unknown: rebuild from the log
             raise
         if not (settled and error is None):
@@ -318,9 +322,9 @@ class SessionHost:
             outcome = handlers.run(call, payload)
             if payload.changes_state:
                 state = self.engine.state_hashes(call.adapter_id, payload.state_parts)
-        except WorkerClosing:
+        except (WorkerClosing, KeyboardInterrupt, SystemExit):
             if payload.is_ordered:
-                self._discard(call.session_id)
+                self._discard(call.session_id)  # part of it may have run: not in the log
             raise
         except TreadleError as exc:
             error = {"category": exc.category, "code": exc.code, "message": exc.message}

@@ -7,10 +7,8 @@ stalled operations) and runs Celery until SIGTERM/SIGINT. Imports platform and t
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import socket
 import threading
 
 import redis
@@ -27,12 +25,6 @@ log = logging.getLogger(__name__)
 
 # A pending operation this old gets a fresh wake-up (a message lost with a dead worker).
 STALL_SECONDS = 3.0
-
-
-def default_worker_id(config: PlatformConfig, index: int = 0) -> str:
-    """Stable across restarts of one platform, distinct between platforms sharing a broker."""
-    platform = hashlib.sha256(config.database_url.encode()).hexdigest()[:8]
-    return f"w{index}.{platform}@{socket.gethostname()}"
 
 
 def build_app(config: PlatformConfig, host: SessionHost) -> Celery:

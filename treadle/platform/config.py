@@ -41,6 +41,9 @@ class PlatformConfig:
     # A seq_id the worker never received (and that was not refused) is skipped after this long.
     gap_timeout_seconds: float = 60.0
     api_threads: int = 256
+    # Tests only: lets a test pause a worker between an operation's effect and its settlement
+    # (see gpu_worker/faults.py). Never set in production.
+    debug_faults: bool = False
     device: str | None = None
     s3_endpoint: str = ""
     s3_bucket: str = "treadle"
@@ -70,6 +73,7 @@ class PlatformConfig:
             op_time_limit_seconds=_number(env, "TREADLE_OP_TIME_LIMIT_SECONDS", 600.0),
             gap_timeout_seconds=_number(env, "TREADLE_GAP_TIMEOUT_SECONDS", 60.0),
             api_threads=int(_number(env, "TREADLE_API_THREADS", 256)),
+            debug_faults=env.get("TREADLE_DEBUG_FAULTS", "") == "1",
             device=env.get("TREADLE_DEVICE") or None,
             s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
             s3_bucket=env.get("TREADLE_S3_BUCKET") or "treadle",
@@ -97,6 +101,8 @@ class PlatformConfig:
             "TREADLE_GAP_TIMEOUT_SECONDS": str(self.gap_timeout_seconds),
             "TREADLE_API_THREADS": str(self.api_threads),
         }
+        if self.debug_faults:
+            env["TREADLE_DEBUG_FAULTS"] = "1"
         if self.admin_key:
             env["TREADLE_ADMIN_KEY"] = self.admin_key
         if self.device:

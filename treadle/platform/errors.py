@@ -72,11 +72,22 @@ class ConflictError(TreadleError):
 
 
 class UnavailableError(TreadleError):
-    """A dependency (database, broker, worker) cannot serve the request right now; retry later."""
+    """A dependency (database, broker, worker) cannot serve the request right now; retry later.
+
+    `retry_after` is how many seconds the client should wait before it retries (the API sends it
+    as the answer's Retry-After header).
+    """
 
     status = 503
     code = "unavailable"
     category = "server"
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:  # type: ignore[override]
+        return (type(self), (self.message, self.retry_after))
 
 
 class OperationCancelledError(TreadleError):

@@ -1,45 +1,184 @@
 """Completion notices over Redis pub/sub, so a long-polled future returns within milliseconds.
 
-The worker publishes after its settlement commits; the API subscribes before it reads the
-database, so a notice can never slip between the read and the wait.
+A worker (or a route that fails operations) publishes after its transaction commits. Each API
+process holds ONE pattern subscription, in a `NoticeHub`, and hands notices to the requests
+waiting on them, so no number of waiting clients takes more than one Redis connection. The
+database is the truth and a notice only an optimisation: a waiter re-checks the database every
+second or two, so it keeps working, by polling alone, while Redis is down.
 Imports nothing from api, gpu_worker or torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import redis
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
+
+PREFIX = "treadle:done:"
+PATTERN = PREFIX + "*"
+FIRST_BACKOFF_SECONDS = 0.25
+
+# Redis failures that mean "unreachable right now", as opposed to a bug.
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 def channel(request_id: str) -> str:
-    return f"treadle:done:{request_id}"
+    return f"{PREFIX}{request_id}"
 
 
-def publish_done(client: redis.Redis, request_id: str) -> None:
-    client.publish(channel(request_id), b"1")
-
-
-def wait_until(
-    client: redis.Redis, request_id: str, check: Callable[[], T | None], timeout: float
-) -> T | None:
-    """Return `check()` once it is not None, waiting for a completion notice up to `timeout`."""
-    pubsub = client.pubsub(ignore_subscribe_messages=True)
+def publish_done(client: redis.Redis, request_id: str) -> bool:
+    """Announce that `request_id` is settled (call after commit). A notice that cannot be sent
+    (Redis is down) is only logged: waiters find the result in the database. Returns whether it
+    was sent."""
     try:
-        pubsub.subscribe(channel(request_id))
+        client.publish(channel(request_id), b"1")
+    except REDIS_DOWN as exc:
+        log.warning("could not publish the completion of %s: %s", request_id, exc)
+        return False
+    return True
+
+
+class NoticeHub:
+    """One background thread and one pattern subscription per process, dispatching completion
+    notices to the requests waiting on them (one `threading.Event` per waiting request).
+
+    The thread reconnects with backoff while Redis is down; waiters meanwhile re-check the
+    database every `poll_seconds`. `close()` stops the thread.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        recheck_seconds: float = 2.0,
+        poll_seconds: float = 1.0,
+        max_backoff_seconds: float = 5.0,
+    ) -> None:
+        self._client = client
+        self._recheck_seconds = recheck_seconds
+        self._poll_seconds = poll_seconds
+        self._max_backoff_seconds = max_backoff_seconds
+        self._waiters: dict[str, set[threading.Event]] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._subscribed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_subscribed(self) -> bool:
+        """Whether notices are arriving now (False while Redis is unreachable)."""
+        return self._subscribed.is_set()
+
+    @property
+    def waiting(self) -> int:
+        """How many requests are waiting for a notice."""
+        with self._lock:
+            return sum(len(events) for events in self._waiters.values())
+
+    def start(self) -> NoticeHub:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="treadle-notices", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def wait_until(
+        self, request_id: str, check: Callable[[], T | None], timeout: float
+    ) -> T | None:
+        """Return `check()` once it is not None, or None after `timeout` seconds.
+
+        `check` reads the database; it runs once, then again after registering for the notice (so
+        a notice sent in between is not missed), then on every notice and at least every
+        `recheck_seconds` (every `poll_seconds` while no notice can arrive).
+        """
         deadline = time.monotonic() + timeout
-        while True:
-            value = check()
-            if value is not None:
-                return value
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            # Re-check at least every second: a notice is an optimisation, the database the truth.
-            pubsub.get_message(timeout=min(remaining, 1.0))
-    finally:
-        pubsub.close()
+        value = check()
+        if value is not None:
+            return value
+        event = threading.Event()
+        self._register(request_id, event)
+        try:
+            while True:
+                event.clear()  # before the check: a notice arriving after it wakes the wait
+                value = check()
+                if value is not None:
+                    return value
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                every = self._recheck_seconds if self.is_subscribed else self._poll_seconds
+                event.wait(min(remaining, every))
+        finally:
+            self._unregister(request_id, event)
+
+    # --- the subscription thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = FIRST_BACKOFF_SECONDS
+        warned = False
+        while not self._stopped.is_set():
+            try:
+                self._listen()
+            except REDIS_DOWN as exc:
+                if not warned or self._subscribed.is_set():
+                    log.warning("completion notices paused (Redis: %s); waiters poll", exc)
+                    warned = True
+            except Exception:  # never let the one subscription die for good
+                log.exception("the completion-notice subscription failed; reconnecting")
+            # A subscription that worked starts the backoff over; failed attempts double it.
+            if self._subscribed.is_set():
+                backoff = FIRST_BACKOFF_SECONDS
+            else:
+                backoff = min(backoff * 2, self._max_backoff_seconds)
+            self._subscribed.clear()
+            self._stopped.wait(backoff)
+
+    def _listen(self) -> None:
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.psubscribe(PATTERN)
+            while not self._stopped.is_set():
+                message = pubsub.get_message(timeout=0.25)
+                if not self._subscribed.is_set():
+                    log.info("completion notices subscribed")
+                    self._subscribed.set()
+                if message is not None and message.get("type") == "pmessage":
+                    self._dispatch(message["channel"])
+        finally:
+            with contextlib.suppress(Exception):
+                pubsub.close()
+
+    def _dispatch(self, name: bytes | str) -> None:
+        if isinstance(name, bytes):
+            name = name.decode("utf-8", "replace")
+        request_id = name.removeprefix(PREFIX)
+        with self._lock:
+            events = list(self._waiters.get(request_id, ()))
+        for event in events:
+            event.set()
+
+    def _register(self, request_id: str, event: threading.Event) -> None:
+        with self._lock:
+            self._waiters.setdefault(request_id, set()).add(event)
+
+    def _unregister(self, request_id: str, event: threading.Event) -> None:
+        with self._lock:
+            events = self._waiters.get(request_id)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiters[request_id]

@@ -90,6 +90,12 @@ def admit(
                 f"{existing.type} request; each operation needs the next unused seq_id"
             )
         return Admission(existing.request_id, session_id, is_new=False)
+    if session.status in (SessionStatus.DIVERGED, SessionStatus.FAILED):
+        what = "diverged from its log" if session.status == SessionStatus.DIVERGED else "failed"
+        raise ValidationError(
+            f"model {session_id} {what} and was stopped (see its events); start a new training "
+            "client from a saved checkpoint to continue"
+        )
     if not session.is_active:
         raise ValidationError(
             f"model {session_id} is {session.status}; create a new training client to continue"
@@ -215,16 +221,18 @@ def settle(
         return False
     if op.sampler_id is None:
         # Only seq_ids refused at admission may lie between the last applied one and this.
-        if refused_run(conn, op.session_id, session.last_applied_seq + 1) != op.seq_id - 1:
-            raise StaleLeaseError(
-                f"{op.session_id}: seq {op.seq_id} settled out of order "
-                f"(last applied {session.last_applied_seq})"
+        expected = session.last_applied_seq + 1
+        if op.seq_id != expected:
+            if refused_run(conn, op.session_id, expected) != op.seq_id - 1:
+                raise StaleLeaseError(
+                    f"{op.session_id}: seq {op.seq_id} settled out of order "
+                    f"(last applied {session.last_applied_seq})"
+                )
+            conn.execute(
+                sa.delete(refused_seqs).where(
+                    refused_seqs.c.session_id == op.session_id, refused_seqs.c.seq_id < op.seq_id
+                )
             )
-        conn.execute(
-            sa.delete(refused_seqs).where(
-                refused_seqs.c.session_id == op.session_id, refused_seqs.c.seq_id < op.seq_id
-            )
-        )
         conn.execute(
             sa.update(sessions)
             .where(sessions.c.id == op.session_id)

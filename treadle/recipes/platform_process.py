@@ -16,8 +16,11 @@ import httpx
 class LocalPlatform:
     """`with LocalPlatform(data_dir) as p:` runs the embedded platform for the block's duration."""
 
-    def __init__(self, data_dir: Path, port: int, admin_key: str, *, embedded: bool = True) -> None:
+    def __init__(
+        self, data_dir: Path, port: int, admin_key: str, *, embedded: bool = True, workers: int = 1
+    ) -> None:
         self.data_dir = data_dir
+        self.workers = workers
         self.port = port
         self.admin_key = admin_key
         self.base_url = f"http://127.0.0.1:{port}"
@@ -32,7 +35,7 @@ class LocalPlatform:
         self._log = open(self.data_dir / "up.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "treadle.cli", "up", "--port", str(self.port),
-             "--data-dir", str(self.data_dir)],
+             "--data-dir", str(self.data_dir), "--workers", str(self.workers)],
             env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

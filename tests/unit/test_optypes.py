@@ -1,0 +1,91 @@
+"""The operation vocabulary: one payload class per type, and what each says about replay."""
+
+from __future__ import annotations
+
+import pytest
+
+from treadle.platform import optypes
+from treadle.platform.optypes import OpType
+
+LORA = optypes.LoraConfig(rank=4, alpha=8.0)
+FB = {
+    "loss_fn": "cross_entropy",
+    "loss_fn_config": {},
+    "data": [
+        {
+            "tokens": [1, 2, 3],
+            "loss_fn_inputs": {"weights": {"dtype": "float32", "shape": [3], "data": [1, 1, 0.5]}},
+        }
+    ],
+}
+EXAMPLES = {
+    OpType.CREATE_MODEL: optypes.CreateModel(base_model="m", lora_config=LORA),
+    OpType.LOAD_WEIGHTS: optypes.LoadWeights(
+        path="tinker://x/weights/a", prefix="p", optimizer=True, base_model="m", lora_config=LORA
+    ),
+    OpType.FORWARD_BACKWARD: optypes.ForwardBackward(**FB, forward_only=False),
+    OpType.OPTIM_STEP: optypes.OptimStep(learning_rate=1e-3),
+    OpType.SAVE_WEIGHTS: optypes.SaveWeights(
+        path="tinker://x/weights/a",
+        prefix="p",
+        ttl_seconds=None,
+        with_optimizer=True,
+        merge_weights=False,
+    ),  # fmt: skip
+    OpType.SAVE_WEIGHTS_FOR_SAMPLER: optypes.SaveWeightsForSampler(sampler_id="s"),
+    OpType.SAMPLE: optypes.Sample(
+        prompt=[1, 2],
+        snapshot_id=None,
+        checkpoint_prefix=None,
+        num_samples=1,
+        prompt_logprobs=False,
+        params=optypes.SamplingParams(max_tokens=4),
+    ),  # fmt: skip
+}
+
+
+def test_every_type_has_one_payload_class() -> None:
+    assert set(optypes.PAYLOADS) == set(OpType)
+    assert all(op_type == cls.TYPE for op_type, cls in optypes.PAYLOADS.items())
+
+
+@pytest.mark.parametrize("op_type", list(OpType))
+def test_payload_round_trips_through_the_log(op_type: OpType) -> None:
+    payload = EXAMPLES[op_type]
+    assert optypes.parse_payload(op_type.value, payload.to_json()) == payload
+
+
+def test_state_changing_operations_record_what_they_change() -> None:
+    changing = {t for t, p in EXAMPLES.items() if p.changes_state}
+    assert changing == {
+        OpType.CREATE_MODEL,
+        OpType.LOAD_WEIGHTS,
+        OpType.FORWARD_BACKWARD,
+        OpType.OPTIM_STEP,
+    }
+    assert all(EXAMPLES[t].state_parts for t in changing)
+    assert EXAMPLES[OpType.FORWARD_BACKWARD].state_parts == ("grads",)
+
+
+def test_forward_only_is_neither_state_changing_nor_replayed() -> None:
+    forward = optypes.ForwardBackward(**FB, forward_only=True)
+    assert not forward.changes_state and not forward.is_replayed and forward.state_parts == ()
+
+
+def test_sampler_snapshots_are_replayed_but_change_no_state() -> None:
+    snapshot = EXAMPLES[OpType.SAVE_WEIGHTS_FOR_SAMPLER]
+    assert snapshot.is_replayed and not snapshot.changes_state
+    assert not EXAMPLES[OpType.SAVE_WEIGHTS].is_replayed
+
+
+def test_only_samples_run_outside_the_seq_order() -> None:
+    assert [t for t, p in EXAMPLES.items() if not p.is_ordered] == [OpType.SAMPLE]
+
+
+def test_a_damaged_payload_names_its_type() -> None:
+    with pytest.raises(ValueError, match="optim_step"):
+        optypes.parse_payload("optim_step", {"learning_rate": "fast"})
+    bad = {**FB, "forward_only": False}
+    bad["data"][0]["loss_fn_inputs"]["weights"]["shape"] = [4]
+    with pytest.raises(ValueError, match="forward_backward"):
+        optypes.parse_payload("forward_backward", bad)
