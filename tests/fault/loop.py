@@ -51,9 +51,9 @@ class Loop:
     """The loop on one training session; `step(i)` runs step i (forward_backward + optim_step,
     and every SAMPLE_EVERY steps a fresh sampler and one seeded sample)."""
 
-    def __init__(self, up: Up, *, name: str, tc: Any = None) -> None:
+    def __init__(self, up: Up, *, name: str, tc: Any = None, svc: Any = None) -> None:
         self.up = up
-        self.svc = treadle.ServiceClient(base_url=up.base_url, api_key=up.admin_key)
+        self.svc = svc or treadle.ServiceClient(base_url=up.base_url, api_key=up.admin_key)
         self.tc = tc or self.svc.create_lora_training_client(
             BASE_MODEL, training_session_name=name, rank=8, alpha=16, seed=3
         )
@@ -62,6 +62,10 @@ class Loop:
     @property
     def model_id(self) -> str:
         return str(self.tc.model_id)
+
+    def close(self) -> None:
+        """End the SDK's client session (its heartbeat stops; its sessions stop)."""
+        self.svc.close()
 
     def submit(self, step: int) -> tuple[Any, Any]:
         fb = self.tc.forward_backward(batch(step), loss_fn="cross_entropy")

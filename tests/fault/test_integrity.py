@@ -70,6 +70,7 @@ def test_altered_automatic_checkpoint_marks_the_session_diverged(up: Up) -> None
             sa.text("SELECT status FROM sessions WHERE id = :id"), {"id": loop.model_id}
         ).scalar_one()
     assert status == "Diverged"
+    loop.close()
 
 
 def test_session_loaded_from_a_deleted_checkpoint_recovers(up: Up) -> None:
@@ -78,17 +79,18 @@ def test_session_loaded_from_a_deleted_checkpoint_recovers(up: Up) -> None:
     source.run(range(3))
     path = source.tc.save_state("start").result().path
     svc = source.svc
-    loaded = Loop(up, name="loaded", tc=svc.create_training_client_from_state_with_optimizer(path))
-    reference = Loop(
-        up, name="loaded-ref", tc=svc.create_training_client_from_state_with_optimizer(path)
+    loaded, reference = (
+        Loop(up, name=name, svc=svc, tc=svc.create_training_client_from_state_with_optimizer(path))
+        for name in ("loaded", "loaded-reference")
     )
     svc.checkpoints.delete(path)
-    for run in (loaded, reference):
-        run.run(range(3, 5))
+    reference.run(range(3, STEPS))  # uninterrupted, all before the kill
+    expected = reference.finish()
+    loaded.run(range(3, 5))
     holder = up.holder(loaded.model_id)[0]
     os.kill(up.worker_pids()[holder], signal.SIGKILL)
-    for run in (loaded, reference):
-        run.run(range(5, STEPS))
-    assert_same(loaded.finish(), reference.finish())
+    loaded.run(range(5, STEPS))
+    assert_same(loaded.finish(), expected)
     assert_settled_once(up, loaded.model_id)
     assert up.events(loaded.model_id, "SessionRecovered")
+    svc.close()

@@ -22,7 +22,7 @@ def reference(up: Up) -> Outcome:
     loop = Loop(up, name="reference")
     loop.run(range(STEPS))
     out = loop.finish()
-    loop.tc.stop()
+    loop.close()
     return out
 
 
@@ -51,6 +51,7 @@ def test_postgres_killed_while_an_operation_settles_applies_it_once(
     loop.run(range(5, STEPS))
     assert_same(loop.finish(), reference)
     assert_settled_once(up, loop.model_id)
+    loop.close()
     # The settlement failed, so the adapter that held its effect was rebuilt from the log
     # (up to the seq before it) instead of running it again on top of its own gradients.
     rebuilt = [e["to_seq"] for e in up.events(loop.model_id, "SessionRecovered")]
@@ -69,3 +70,4 @@ def test_redis_killed_between_operations_is_restarted_and_the_loop_finishes(
     assert up.state()["redis"]["pid"] != pid
     assert_same(loop.finish(), reference)
     assert_settled_once(up, loop.model_id)
+    loop.close()

@@ -32,7 +32,7 @@ def test_stopping_a_session_cancels_its_long_sample_within_seconds(up: Up) -> No
     started = time.monotonic()
     other.forward_backward(batch(0), loss_fn="cross_entropy").result()
     assert time.monotonic() - started < 10
-    other.stop()
+    svc.close()
 
 
 def test_a_refused_request_does_not_delay_the_next_operation(up: Up) -> None:
@@ -47,4 +47,4 @@ def test_a_refused_request_does_not_delay_the_next_operation(up: Up) -> None:
     tc.optim_step(treadle.AdamParams(learning_rate=1e-3)).result()
     assert time.monotonic() - started < 15  # the gap timeout is 60 s
     assert [e["type"] for e in up.events(tc.model_id, "OperationsSkipped")] == []
-    tc.stop()
+    svc.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,14 +20,16 @@ def reference(up: Up) -> Outcome:
     loop = Loop(up, name="reference")
     loop.run(range(STEPS))
     out = loop.finish()
-    loop.tc.stop()
+    loop.close()
     return out
 
 
 @pytest.fixture
-def loop(up: Up, request: pytest.FixtureRequest) -> Loop:
+def loop(up: Up, request: pytest.FixtureRequest) -> Iterator[Loop]:
     up.wait_ready(2)  # a worker killed by the previous test is back
-    return Loop(up, name=request.node.name[:100])
+    loop = Loop(up, name=request.node.name[:100])
+    yield loop
+    loop.close()
 
 
 def kill_holder(up: Up, model_id: str) -> str:

@@ -247,9 +247,6 @@ def test_every_route_answers_503_with_retry_after_while_postgres_is_down(
     }
 
 
-# checkpoints.latest_for's `.distinct(column)` warns on SQLAlchemy 2.1, which this suite's
-# filterwarnings turns into a 500 of GET /training_runs/<id>; not what this test is about.
-@pytest.mark.filterwarnings("ignore:Passing expression to ``distinct``:DeprecationWarning")
 def test_every_route_answers_as_usual_while_redis_is_down_except_health(
     stack: Stack, sweep: Sweep
 ) -> None:

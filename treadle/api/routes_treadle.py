@@ -6,8 +6,10 @@ Imports platform only; never torch.
 from __future__ import annotations
 
 import base64
+import logging
 from typing import Any
 
+import kombu.exceptions
 from flask import Blueprint, jsonify, request
 
 from treadle.api.app import json_body, principal, services
@@ -15,6 +17,8 @@ from treadle.api.schemas import CreateTenant, parse
 from treadle.platform import catalog, events, notify, operations, routing, tenants, tokenizers
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import PermissionDeniedError, ValidationError
+
+log = logging.getLogger(__name__)
 
 bp = Blueprint("treadle", __name__, url_prefix="/api/v1/treadle")
 
@@ -54,7 +58,10 @@ def stop(model_id: str) -> Any:
         stopped = sessions_core.stop_session(conn, principal(), model_id, "stopped by client")
         failed = operations.fail_pending(conn, model_id, f"model {model_id} was stopped")
     if stopped:
-        routing.request_stop(svc.celery, model_id)
+        try:
+            routing.request_stop(svc.celery, model_id)
+        except kombu.exceptions.OperationalError as exc:  # its worker sees the status anyway
+            log.warning("could not send the stop of %s: %s", model_id, exc)
     for request_id in failed:
         notify.publish_done(svc.redis, request_id)
     return jsonify(model_id=model_id, status="Stopped")

@@ -137,6 +137,20 @@ class SessionHost:
         with self._locks[session_id]:
             self._discard(session_id)
 
+    def forget_all_but(self, mine: set[str]) -> None:
+        """Free the adapters of sessions this worker no longer hosts (stopped, or leased to
+        another worker): they could never be used again without a rebuild anyway. A session
+        busy right now is left for the next call."""
+        for session_id in list(self._held):
+            if session_id in mine:
+                continue
+            lock = self._locks[session_id]
+            if lock.acquire(blocking=False):
+                try:
+                    self._discard(session_id)
+                finally:
+                    lock.release()
+
     def running(self) -> operations.OperationRow | None:
         run = self._running
         return None if run is None else run.op

@@ -81,6 +81,7 @@ class LeaseKeeper(threading.Thread):
             stalled = operations.stale_pending(conn, mine, STALL_SECONDS)
             expired = checkpoints.reap_expired(conn)
         self.interrupt_if_stopped()
+        self.host.forget_all_but(set(mine))
         for checkpoint in expired:
             self.host.store.delete_prefix(checkpoint.storage_prefix + "/")
             log.info("deleted expired checkpoint %s", checkpoint.path)

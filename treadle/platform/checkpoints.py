@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import distinct_on
 
 from treadle.platform.errors import NotFoundError, ValidationError
 from treadle.platform.schema import checkpoints, sessions
@@ -225,7 +226,7 @@ def latest_for(
     rows = conn.execute(
         _live(
             sa.select(checkpoints)
-            .distinct(checkpoints.c.session_id)
+            .ext(distinct_on(checkpoints.c.session_id))
             .where(checkpoints.c.tenant_id == principal.tenant_id)
             .where(checkpoints.c.session_id.in_(run_ids))
         ).order_by(

@@ -27,7 +27,9 @@ def connect(url: str, *, pool_size: int = 10) -> sa.Engine:
         pool_size=pool_size,
         max_overflow=20,
         pool_pre_ping=True,
-        future=True,
+        # A request that finds every connection busy fails (a 503 at the API) within seconds
+        # instead of queueing for the default 30.
+        pool_timeout=10,
     )
 
 
