@@ -9,6 +9,7 @@ Imports platform only; never torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from flask import Blueprint, Response, jsonify
@@ -17,10 +18,16 @@ from treadle.api.app import json_body, principal, services
 from treadle.api.schemas import RetrieveFuture, parse
 from treadle.api.wire import encode_forward_backward_output, encode_sample_response
 from treadle.platform import operations
+from treadle.platform.optypes import OpStatus, OpType
 
 bp = Blueprint("futures", __name__)
 
 PROTO = "application/x-protobuf"
+# The results the tinker SDK reads as protobuf; every other result is JSON.
+PROTO_RESULTS: dict[OpType, Callable[[Any], bytes]] = {
+    OpType.FORWARD_BACKWARD: encode_forward_backward_output,
+    OpType.SAMPLE: encode_sample_response,
+}
 
 
 @bp.post("/api/v1/retrieve_future")
@@ -37,10 +44,9 @@ def retrieve_future() -> Any:
     op = svc.notices.wait_until(body.request_id, check, svc.config.long_poll_seconds)
     if op is None:
         return jsonify(type="try_again", request_id=body.request_id, queue_state="active")
-    if op.status == "failed":
+    if op.status == OpStatus.FAILED:
         return jsonify(error=op.error["message"], category=op.error["category"])
-    if op.type == "forward_backward":
-        return Response(encode_forward_backward_output(op.result), mimetype=PROTO)
-    if op.type == "sample":
-        return Response(encode_sample_response(op.result), mimetype=PROTO)
+    encode = PROTO_RESULTS.get(op.type)
+    if encode is not None:
+        return Response(encode(op.result), mimetype=PROTO)
     return jsonify(op.result)

@@ -99,7 +99,7 @@ def session_heartbeat() -> Any:
     body = parse(SessionRef, json_body())
     with services().db.begin() as conn:
         status = sessions_core.heartbeat_client_session(conn, principal(), body.session_id)
-    if status != "Running":
+    if status != sessions_core.ClientSessionStatus.RUNNING:
         return jsonify(
             error={"code": "gone", "message": f"session {body.session_id} is {status}"}
         ), 410

@@ -36,6 +36,13 @@ class SessionStatus(StrEnum):
 ACTIVE_STATUSES = (SessionStatus.CREATED, SessionStatus.RUNNING)
 
 
+class ClientSessionStatus(StrEnum):
+    """A client session (one SDK ServiceClient): running until its client finishes it."""
+
+    RUNNING = "Running"
+    FINISHED = "Finished"
+
+
 @dataclass(frozen=True)
 class SessionRow:
     id: str
@@ -77,7 +84,7 @@ def create_client_session(
             tenant_id=principal.tenant_id,
             tags=list(tags),
             user_metadata=dict(user_metadata),
-            status=SessionStatus.RUNNING,
+            status=ClientSessionStatus.RUNNING,
         )
     )
     return session_id
@@ -302,7 +309,7 @@ def finish_client_session(
     conn.execute(
         sa.update(client_sessions)
         .where(client_sessions.c.id == client_session_id)
-        .values(status="Finished")
+        .values(status=ClientSessionStatus.FINISHED)
     )
     ids = conn.execute(
         sa.select(sessions.c.id).where(
