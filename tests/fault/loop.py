@@ -122,6 +122,15 @@ class Loop:
         return int(raw)
 
 
+def uninterrupted(up: Up) -> Outcome:
+    """The loop run straight through: what every struck run must end with."""
+    loop = Loop(up, name="reference")
+    loop.run(range(STEPS))
+    out = loop.finish()
+    loop.close()
+    return out
+
+
 def assert_same(run: Outcome, reference: Outcome) -> None:
     """Bit for bit: losses, grad norms, samples, weights and optimizer state."""
     assert run.losses == reference.losses

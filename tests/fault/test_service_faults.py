@@ -11,7 +11,14 @@ import redis
 import sqlalchemy as sa
 
 from tests.fault.conftest import Up, wait_for
-from tests.fault.loop import STEPS, Loop, Outcome, assert_same, assert_settled_once
+from tests.fault.loop import (
+    STEPS,
+    Loop,
+    Outcome,
+    assert_same,
+    assert_settled_once,
+    uninterrupted,
+)
 from treadle.gpu_worker import faults
 
 pytestmark = pytest.mark.fault
@@ -19,11 +26,7 @@ pytestmark = pytest.mark.fault
 
 @pytest.fixture(scope="module")
 def reference(up: Up) -> Outcome:
-    loop = Loop(up, name="reference")
-    loop.run(range(STEPS))
-    out = loop.finish()
-    loop.close()
-    return out
+    return uninterrupted(up)
 
 
 def _database_answers(up: Up) -> bool:

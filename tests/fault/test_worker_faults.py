@@ -10,18 +10,21 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fault.conftest import Up, wait_for
-from tests.fault.loop import STEPS, Loop, Outcome, assert_same, assert_settled_once
+from tests.fault.loop import (
+    STEPS,
+    Loop,
+    Outcome,
+    assert_same,
+    assert_settled_once,
+    uninterrupted,
+)
 
 pytestmark = pytest.mark.fault
 
 
 @pytest.fixture(scope="module")
 def reference(up: Up) -> Outcome:
-    loop = Loop(up, name="reference")
-    loop.run(range(STEPS))
-    out = loop.finish()
-    loop.close()
-    return out
+    return uninterrupted(up)
 
 
 @pytest.fixture

@@ -1,0 +1,238 @@
+"""Long-polls: one Redis subscription per API process serves every waiting request, a waiter
+holds no database connection, polls the database while Redis is down, the real SDK backs off
+while PostgreSQL is down, and 150 long-polls of one tenant cost another tenant nothing."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import sqlalchemy as sa
+import tinker
+from flask import Flask
+from tinker import types
+from werkzeug.serving import make_server
+
+from tests.integration.degraded import (
+    BASE_MODEL,
+    KEY,
+    Stack,
+    create_model,
+    post,
+)
+from tests.integration.wire_client import WireClient, datum
+from treadle.api.app import Services
+from treadle.platform import notify
+
+pytestmark = pytest.mark.integration
+
+
+# --- the notice hub ---------------------------------------------------------------------------
+
+
+def _in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(target()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_notice_ends_a_long_poll_at_once(stack: Stack) -> None:
+    client = redis.Redis.from_url(stack.redis_url)
+    hub = notify.NoticeHub(client, recheck_seconds=60).start()
+    done = threading.Event()
+    try:
+        _wait(lambda: hub.is_subscribed, 5, "the hub to subscribe")
+        thread, out = _in_thread(
+            lambda: hub.wait_until("req-1", lambda: "done" if done.is_set() else None, 30)
+        )
+        _wait(lambda: hub.waiting == 1, 5, "the waiter to register")
+        done.set()
+        published = time.monotonic()
+        assert notify.publish_done(client, "req-1")
+        thread.join(5)
+        assert out == ["done"] and time.monotonic() - published < 1.0
+    finally:
+        hub.close()
+        client.close()
+
+
+def test_a_long_poll_polls_the_database_while_redis_is_down(stack: Stack) -> None:
+    client = redis.Redis.from_url(stack.redis_url)
+    hub = notify.NoticeHub(client, recheck_seconds=60, poll_seconds=0.5).start()
+    done = threading.Event()
+    try:
+        with stack.down(stack.redis):
+            _wait(lambda: not hub.is_subscribed, 5, "the hub to notice Redis is down")
+            thread, out = _in_thread(
+                lambda: hub.wait_until("req-2", lambda: "done" if done.is_set() else None, 30)
+            )
+            _wait(lambda: hub.waiting == 1, 5, "the waiter to register")
+            done.set()
+            assert not notify.publish_done(client, "req-2")
+            thread.join(3)
+            assert out == ["done"]
+        _wait(lambda: hub.is_subscribed, 10, "the hub to subscribe again after Redis restarted")
+    finally:
+        hub.close()
+        client.close()
+
+
+def test_waiting_long_polls_share_one_subscription_and_hold_no_database_connection(
+    stack: Stack, make_app: Callable[..., Flask]
+) -> None:
+    app = make_app(long_poll_seconds=30.0)
+    svc: Services = app.extensions["treadle"]
+    client = app.test_client()
+    session_id = post(client, "create_session", {"tags": []})["session_id"]
+    model_id = create_model(client, session_id)["model_id"]
+    pending = post(client, "optim_step", {"model_id": model_id, "seq_id": 5})["request_id"]
+    _wait(lambda: svc.notices.is_subscribed, 5, "the hub to subscribe")
+    polls = [
+        _in_thread(lambda: post(app.test_client(), "retrieve_future", {"request_id": pending}))
+        for _ in range(30)
+    ]
+    _wait(lambda: svc.notices.waiting == 30, 10, "30 long-polls to wait")
+    time.sleep(0.3)  # past each waiter's check right after it registered
+    held = []
+    for _ in range(5):
+        held.append(svc.db.pool.checkedout())  # type: ignore[attr-defined]
+        time.sleep(0.1)
+    subscriptions = [c for c in svc.redis.client_list() if int(c.get("psub", 0)) > 0]
+    post(client, f"treadle/sessions/{model_id}/stop", {})  # fails it: one notice ends all 30
+    stopped = time.monotonic()
+    for thread, _ in polls:
+        thread.join(10)
+    assert time.monotonic() - stopped < 1.5
+    assert min(held) == 0 and max(held) < 30, held  # a waiter holds one only while it checks
+    assert len(subscriptions) == 1, subscriptions
+    failed = {"error": f"model {model_id} was stopped", "category": "user"}
+    assert [out for _, out in polls] == [[failed]] * 30
+
+
+# --- the real SDK -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _served(app: Flask) -> Iterator[tuple[str, collections.Counter[tuple[str, int]]]]:
+    """Serve `app` over HTTP on a free port, counting requests by (path, status)."""
+    counts: collections.Counter[tuple[str, int]] = collections.Counter()
+    inner = app.wsgi_app
+
+    def counting(environ: dict[str, Any], start_response: Any) -> Any:
+        def record(status: str, headers: Any, exc_info: Any = None) -> Any:
+            counts[(environ["PATH_INFO"], int(status.split()[0]))] += 1
+            return start_response(status, headers, exc_info)
+
+        return inner(environ, record)
+
+    app.wsgi_app = counting  # type: ignore[method-assign]
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", counts
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
+def test_a_polled_sdk_future_backs_off_while_postgres_is_down(
+    stack: Stack, make_app: Callable[..., Flask]
+) -> None:
+    outage = 4.0
+    app = make_app(long_poll_seconds=2.0)  # a held 503 lasts min(Retry-After, a long-poll)
+    with _served(app) as (base_url, counts):
+        svc = tinker.ServiceClient(base_url=base_url, api_key=KEY)
+        future = svc.create_lora_training_client(BASE_MODEL, rank=4)
+        _wait(lambda: any(p.endswith("retrieve_future") for p, _ in counts), 30, "a poll")
+        with stack.down(stack.postgres):
+            counts.clear()
+            time.sleep(outage)
+            during = dict(counts)
+        with stack.engine.connect() as conn:
+            request_id, model_id = conn.execute(
+                sa.text(
+                    "SELECT request_id, session_id FROM operations WHERE type = 'create_model' "
+                    "AND status = 'pending' ORDER BY request_position DESC LIMIT 1"
+                )
+            ).one()
+        stack.settle(request_id, {"model_id": model_id})
+        training_client = future.result(timeout=30)
+        assert training_client.model_id == model_id
+        svc.close("success").result(timeout=30)
+    polls = sum(n for (path, _), n in during.items() if path.endswith("retrieve_future"))
+    assert {status for _, status in during} <= {503}, during
+    assert 1 <= polls <= outage / 2 + 2, during
+
+
+# --- many long-polls on a served platform ----------------------------------------------------
+
+
+def test_150_long_polls_of_one_tenant_cause_no_error_for_another(platform) -> None:
+    admin = WireClient(platform.base_url, platform.admin_key)
+    model_id = admin.create_model()
+    pending = [  # seqs 1-4 never arrive: these stay pending until the gap timeout
+        admin.forward_backward(model_id, seq, [datum([1, 2, 3, 4])]).json()["request_id"]
+        for seq in range(5, 10)
+    ]
+    tenant = admin.post("treadle/tenants", {"id": f"degrade-{secrets.token_hex(3)}"})
+    assert tenant.status_code == 201, tenant.text
+    key = tenant.json()["api_key"]
+    stop = threading.Event()
+    polled: collections.Counter[int] = collections.Counter()
+    http = httpx.Client(
+        base_url=platform.base_url, headers={"X-API-Key": platform.admin_key}, timeout=60,
+        limits=httpx.Limits(max_connections=200, max_keepalive_connections=200),
+    )  # fmt: skip
+
+    def poll(request_id: str) -> None:
+        while not stop.is_set():
+            polled[
+                http.post("/api/v1/retrieve_future", json={"request_id": request_id}).status_code
+            ] += 1
+
+    pollers = [threading.Thread(target=poll, args=(pending[i % 5],)) for i in range(150)]
+    for thread in pollers:
+        thread.start()
+    other = WireClient(platform.base_url, key)
+    seen: list[int] = []  # every status the other tenant's raw client got
+    other.http.event_hooks["response"] = [lambda r: seen.append(r.status_code)]
+    try:
+        time.sleep(1.0)  # every poller is waiting
+        own = other.create_model()
+        fb = other.forward_backward(own, 1, [datum([5, 6, 7, 8, 9])]).json()["request_id"]
+        assert other.result(fb).metrics["loss:sum"] > 0
+        other.post(f"treadle/sessions/{own}/stop", {})
+        svc = tinker.ServiceClient(base_url=platform.base_url, api_key=key)
+        tc = svc.create_lora_training_client(BASE_MODEL, rank=4).result()
+        for _ in range(2):
+            loss = tc.forward_backward([datum([5, 6, 7, 8, 9])], "cross_entropy")
+            step = tc.optim_step(types.AdamParams(learning_rate=1e-3))
+            assert loss.result().metrics["loss:sum"] > 0
+            step.result()
+        svc.close("success").result()
+    finally:
+        stop.set()
+        # Stopping the model fails its pending operations: every waiting poll returns at once.
+        admin.post(f"treadle/sessions/{model_id}/stop", {}).raise_for_status()
+        for thread in pollers:
+            thread.join(30)
+        http.close()
+    assert seen and set(seen) == {200}, seen
+    assert set(polled) == {200}, polled
