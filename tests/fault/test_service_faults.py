@@ -43,11 +43,23 @@ def test_postgres_killed_while_an_operation_settles_applies_it_once(
     loop.pause_next("forward_backward")
     futures = loop.submit(4)
     seq_id = loop.wait_paused()
-    postgres = up.state()["postgres"]["pid"]
-    os.kill(postgres, signal.SIGKILL)
+    state = up.state()
+    postgres = state["postgres"]["pid"]
     client = redis.Redis.from_url(up.redis_url)
-    faults.release(client, loop.model_id)  # it settles now, with PostgreSQL gone
-    client.close()
+    # Hold `treadle up` (its supervisor) still, so PostgreSQL stays down until the paused
+    # operation has tried to settle and failed.
+    os.kill(state["pid"], signal.SIGSTOP)
+    try:
+        os.kill(postgres, signal.SIGKILL)
+        faults.release(client, loop.model_id)
+        wait_for(
+            lambda: client.get(faults.settle_failed_key(loop.model_id)) == str(seq_id).encode(),
+            30,
+            "the settlement to fail",
+        )
+    finally:
+        os.kill(state["pid"], signal.SIGCONT)
+        client.close()
     wait_for(lambda: up.state()["postgres"]["pid"] != postgres, 60, "PostgreSQL to restart")
     wait_for(lambda: _database_answers(up), 60, "PostgreSQL to answer")
     loop.collect(4, futures)

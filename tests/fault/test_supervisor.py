@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,10 +16,18 @@ import redis
 import sqlalchemy as sa
 
 import treadle
-from tests.fault.conftest import Up, wait_for
+from tests.fault.conftest import Up, start_up, wait_for
 from treadle.platform.config import PlatformConfig
 
 pytestmark = pytest.mark.fault
+
+
+@pytest.fixture(scope="module")
+def up() -> Iterator[Up]:
+    """A lease TTL far longer than any wait here: a dead worker's session can only move
+    because the supervisor released it, never because its lease ran out."""
+    with start_up(env={"TREADLE_LEASE_TTL_SECONDS": "120"}) as platform:
+        yield platform
 
 
 def _api_answers(up: Up) -> bool:
@@ -76,11 +85,11 @@ def test_killed_worker_is_retired_at_once_and_restarted_under_its_id(up: Up) -> 
 
     os.kill(before["pid"], signal.SIGKILL)
 
-    # Released by the supervisor (its reason, the epoch it held), well inside the 3 s lease TTL
-    # after which a live worker would have taken the session anyway.
+    # Released by the supervisor (its reason, the epoch it held): with a 120 s lease TTL
+    # nothing else could have moved it within this wait.
     released = wait_for(
         lambda: _released(up, model_id, "the worker process exited (code -9)"),
-        2.5,
+        30,
         "the supervisor to release the dead worker's lease",
     )
     assert [(e["worker_id"], e["epoch"]) for e in released] == [(worker_id, epoch)]

@@ -5,7 +5,8 @@ session's worker executes then holds still after its effect on the engine and be
 settlement, and announces it (`treadle:debug:paused:<session>` = seq_id), so the test can kill the
 worker, PostgreSQL or Redis at exactly that point; it resumes after its time, or as soon as the
 test deletes that key (`release`). One-shot: the pause is consumed when it fires, so the
-operation's re-execution by the next holder runs straight through.
+operation's re-execution by the next holder runs straight through. A settlement that fails is
+announced too (`treadle:debug:settle-failed:<session>` = seq_id).
 Imports platform only; never api.
 """
 
@@ -31,6 +32,18 @@ def arm_pause(client: redis.Redis, session_id: str, op_type: str, seconds: float
     """Make the session's next `op_type` pause `seconds` before its settlement."""
     client.set(_pause_key(session_id), f"{op_type}:{seconds}")
     client.delete(paused_key(session_id))
+
+
+def settle_failed_key(session_id: str) -> str:
+    return f"treadle:debug:settle-failed:{session_id}"
+
+
+def note_settle_failure(client: redis.Redis, session_id: str, seq_id: int) -> None:
+    """Tell the test that a settlement of the session failed (its effect was discarded)."""
+    try:
+        client.set(settle_failed_key(session_id), str(seq_id))
+    except redis.RedisError:
+        log.warning("debug: could not record the failed settlement of %s", session_id)
 
 
 def release(client: redis.Redis, session_id: str) -> None:

@@ -283,6 +283,8 @@ class SessionHost:
             settled = self._settle(session, op, outcome, error, state, seconds)
         except BaseException:
             self._discard(session.id)  # whether it committed is unknown: rebuild from the log
+            if self.config.debug_faults:
+                faults.note_settle_failure(self.redis, session.id, op.seq_id)
             raise
         if not (settled and error is None):
             self._discard(session.id)  # its effect, if any, is not in the log
