@@ -19,6 +19,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from tests.databases import private_database
 from treadle.platform import db
 from treadle.platform.embedded import EmbeddedServices, free_port
 
@@ -62,6 +63,17 @@ def engine(services: Services) -> Iterator[sa.Engine]:
     eng = db.connect(services.database_url, pool_size=5)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture(scope="session")
+def quiet_engine(services: Services) -> Iterator[sa.Engine]:
+    """A migrated database of its own, on the same server, that no worker watches: a session
+    created there directly stays exactly as the test left it (the served platform's workers
+    claim any unleased session of the run's main database)."""
+    with private_database(services.database_url, "treadle_quiet") as url:
+        eng = db.connect(url, pool_size=2)
+        yield eng
+        eng.dispose()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The `treadle` command: `up` (the whole embedded platform), `worker`, `migrate`.
+"""The `treadle` command: `up` (the whole embedded platform), `worker`, `migrate`, and the
+HTTP clients' verbs `checkpoints`, `tenants` and `keys` (TREADLE_BASE_URL, TREADLE_API_KEY).
 
 This is an entry point: it builds the PlatformConfig from the environment once and passes it down.
 """
@@ -49,9 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     download = verbs.add_parser("download", help="write a checkpoint's files to a folder")
     download.add_argument("path")
     download.add_argument("dir", type=Path)
+    _add_admin_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "checkpoints":
         return cmd_checkpoints(args)
+    if args.command in ("tenants", "keys"):
+        return cmd_admin(args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -90,6 +94,68 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             out = {"written": [str(p) for p in client.download(args.path, args.dir)]}
     except (RuntimeError, ValueError) as exc:
         print(f"treadle checkpoints {args.verb}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def _add_admin_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tenants = sub.add_parser(
+        "tenants", help="create, list, disable tenants (the operator's key in TREADLE_API_KEY)"
+    )
+    verbs = tenants.add_subparsers(dest="verb", required=True)
+    create = verbs.add_parser("create", help="create a tenant; prints its first admin key once")
+    create.add_argument("id")
+    create.add_argument("--name", default=None)
+    verbs.add_parser("list", help="list tenants")
+    verbs.add_parser("disable", help="refuse every key of a tenant").add_argument("id")
+    verbs.add_parser("enable", help="accept a disabled tenant's keys again").add_argument("id")
+    keys = sub.add_parser(
+        "keys", help="create, list, revoke API keys (an admin key in TREADLE_API_KEY)"
+    )
+    verbs = keys.add_subparsers(dest="verb", required=True)
+    create = verbs.add_parser("create", help="mint a key; prints it once")
+    create.add_argument("--tenant", default=None, help="default: the caller's tenant")
+    create.add_argument("--role", choices=("admin", "member"), default="member")
+    create.add_argument("--name", default=None, help="a label, e.g. who or what uses it")
+    listing = verbs.add_parser("list", help="list a tenant's keys (never their text)")
+    listing.add_argument("--tenant", default=None, help="default: the caller's tenant")
+    verbs.add_parser("revoke", help="refuse a key from its next request on").add_argument("key_id")
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    import json
+
+    import httpx
+
+    from treadle.client.admin import AdminClient
+
+    try:
+        client = AdminClient.from_env()
+        if args.command == "tenants":
+            if args.verb == "create":
+                out: object = client.create_tenant(args.id, args.name)
+            elif args.verb == "list":
+                out = client.list_tenants()
+            elif args.verb == "disable":
+                out = client.disable_tenant(args.id)
+            else:
+                out = client.enable_tenant(args.id)
+        elif args.verb == "create":
+            out = client.create_key(args.tenant, args.role, args.name)
+        elif args.verb == "list":
+            out = client.list_keys(args.tenant)
+        else:
+            out = client.revoke_key(args.key_id)
+    except (RuntimeError, ValueError) as exc:
+        print(f"treadle {args.command} {args.verb}: {exc}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(
+            f"treadle {args.command} {args.verb}: cannot reach the server ({exc}); "
+            "check TREADLE_BASE_URL",
+            file=sys.stderr,
+        )
         return 1
     print(json.dumps(out, indent=2))
     return 0
@@ -148,6 +214,12 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
     signal.signal(signal.SIGINT, terminate)
     try:
         database_url, redis_url = embedded.start(config.database_url, config.redis_url)
+        # The key's text never goes to stdout (it ends up in logs): say where it is instead.
+        key_hint = (
+            "the value of TREADLE_ADMIN_KEY"
+            if config.admin_key
+            else f"in {config.data_dir / 'admin_key'} (generated once)"
+        )
         config = PlatformConfig.from_env(
             {**os.environ, **config.with_services(database_url, redis_url).to_env(),
              "TREADLE_ADMIN_KEY": _admin_key(config)}
@@ -178,7 +250,7 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
         supervisor.start()
         print(
             f"Treadle is up at {api_url} with {n_workers} worker(s)\n"
-            f"  admin key: {config.admin_key}\n  data dir:  {config.data_dir}\n"
+            f"  operator key: {key_hint}\n  data dir:  {config.data_dir}\n"
             f"  worker logs: {log_dir}",
             flush=True,
         )

@@ -14,8 +14,8 @@ import pytest
 from flask import Flask
 
 from tests.integration.degraded import KEY, WORKER, Stack
-from treadle.api.app import Services
 from treadle.api.app import create_app as build_app
+from treadle.api.context import Services
 from treadle.platform import db
 from treadle.platform.config import PlatformConfig
 from treadle.platform.embedded import EmbeddedPostgres, EmbeddedRedis

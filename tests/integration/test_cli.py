@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import sqlalchemy as sa
@@ -31,18 +32,38 @@ def test_migrate_is_idempotent_and_leaves_schema_at_head(services, engine: sa.En
     assert head is not None and version == head
 
 
-def test_sessions_spread_over_workers(platform, engine: sa.Engine) -> None:
+def _active_per_worker(engine: sa.Engine) -> tuple[dict[str, int], int]:
+    """Active sessions per live worker, and how many active sessions no worker holds yet."""
+    with engine.connect() as conn:
+        live = conn.execute(
+            sa.text("SELECT id FROM workers WHERE heartbeat_at > now() - interval '10 seconds'")
+        ).scalars()
+        load = dict.fromkeys(live, 0)
+        rows = conn.execute(
+            sa.text(
+                "SELECT worker_id, count(*) FROM sessions "
+                "WHERE status IN ('Created', 'Running') GROUP BY worker_id"
+            )
+        ).all()
+    unleased = sum(n for worker, n in rows if worker is None)
+    load.update({worker: n for worker, n in rows if worker in load})
+    return load, unleased
+
+
+def test_each_new_session_goes_to_the_least_loaded_worker(platform, engine: sa.Engine) -> None:
     from tests.integration.wire_client import WireClient
 
     client = WireClient(platform.base_url, platform.admin_key)
-    models = [client.create_model() for _ in range(4)]
-    with engine.connect() as conn:
-        holders = (
-            conn.execute(
-                sa.text("SELECT DISTINCT worker_id FROM sessions WHERE id = ANY(:ids)"),
-                {"ids": models},
-            )
-            .scalars()
-            .all()
-        )
-    assert len(holders) == 2
+    for _ in range(4):
+        deadline = time.monotonic() + 30
+        while (state := _active_per_worker(engine))[1] and time.monotonic() < deadline:
+            time.sleep(0.2)  # sessions other tests left unleased are being claimed
+        load, _ = state
+        assert len(load) == 2, load
+        model = client.create_model()
+        with engine.connect() as conn:
+            holder = conn.execute(
+                sa.text("SELECT worker_id FROM sessions WHERE id = :id"), {"id": model}
+            ).scalar_one()
+        assert load[holder] == min(load.values()), (holder, load)
+        client.post(f"treadle/sessions/{model}/stop", {})

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def session_id(engine: sa.Engine) -> str:
-    with engine.begin() as conn:
+def session_id(quiet_engine: sa.Engine) -> str:
+    with quiet_engine.begin() as conn:
         tenants.ensure_tenant(conn, "unit")
         principal = tenants.Principal("key-unit", "unit", "admin")
         client = sessions.create_client_session(conn, principal, [], {})
@@ -31,8 +31,8 @@ def session_id(engine: sa.Engine) -> str:
     return sid
 
 
-def test_events_are_numbered_per_session(engine: sa.Engine, session_id: str) -> None:
-    with engine.begin() as conn:
+def test_events_are_numbered_per_session(quiet_engine: sa.Engine, session_id: str) -> None:
+    with quiet_engine.begin() as conn:
         events.append(conn, session_id, "unit", "SessionStopped", {"reason": "test"})
         stream = events.read_stream(conn, session_id)
     assert [e.seq for e in stream] == [1, 2]
@@ -43,16 +43,16 @@ def test_events_are_numbered_per_session(engine: sa.Engine, session_id: str) -> 
     "statement", ["UPDATE events SET type = 'X'", "DELETE FROM events", "TRUNCATE events"]
 )
 def test_database_refuses_changes_to_events(
-    engine: sa.Engine, session_id: str, statement: str
+    quiet_engine: sa.Engine, session_id: str, statement: str
 ) -> None:
-    with pytest.raises(sa.exc.DBAPIError, match="append-only"), engine.begin() as conn:
+    with pytest.raises(sa.exc.DBAPIError, match="append-only"), quiet_engine.begin() as conn:
         conn.execute(sa.text(statement))
-    with engine.connect() as conn:
+    with quiet_engine.connect() as conn:
         assert len(events.read_stream(conn, session_id)) == 1
 
 
-def test_duplicate_session_seq_is_refused(engine: sa.Engine, session_id: str) -> None:
-    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+def test_duplicate_session_seq_is_refused(quiet_engine: sa.Engine, session_id: str) -> None:
+    with pytest.raises(sa.exc.IntegrityError), quiet_engine.begin() as conn:
         conn.execute(
             sa.text(
                 "INSERT INTO events (session_id, seq, type, data, tenant_id) "

@@ -29,7 +29,7 @@ from tests.integration.degraded import (
     post,
 )
 from tests.integration.wire_client import WireClient, datum
-from treadle.api.app import Services
+from treadle.api.context import Services
 from treadle.platform import notify
 
 pytestmark = pytest.mark.integration

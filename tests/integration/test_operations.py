@@ -122,7 +122,7 @@ def test_another_tenants_session_answers_404(platform) -> None:
     assert other.optim_step(model_id, 2).status_code == 404
     assert other.post("retrieve_future", {"request_id": fut}).status_code == 404
     assert other.http.get(f"/api/v1/treadle/sessions/{model_id}/events").status_code == 404
-    # the member cannot mint tenants
+    # a tenant admin (the first key of a new tenant) cannot create tenants
     assert other.post("treadle/tenants", {"id": "evil"}).status_code == 403
 
 

@@ -66,3 +66,13 @@ def test_installing_treadle_without_extras_pulls_in_no_server_dependency() -> No
     closure = _closure("treadle", set())
     assert "tinker" in closure
     assert not closure & {"flask", "sqlalchemy", "celery", "kombu", "alembic", "psycopg"}
+
+
+def test_only_the_cli_imports_the_app_factory() -> None:
+    """Views reach their services through `treadle.api.context`: no import cycle with app.py."""
+    importers = [
+        str(path.relative_to(ROOT))
+        for path in sorted(ROOT.rglob("*.py"))
+        if "treadle.api.app" in _imports(path)
+    ]
+    assert importers == ["cli.py"]

@@ -13,8 +13,8 @@ from typing import Any
 import sqlalchemy as sa
 from flask import Blueprint, jsonify, request, send_file
 
-from treadle.api.admission import parse_training, place, require_live_worker, submit
-from treadle.api.app import int_arg, json_body, principal, services
+from treadle.api.admission import parse_training, submit
+from treadle.api.context import int_arg, json_body, principal, services
 from treadle.api.schemas import (
     CheckpointTtl,
     LoadWeights,
@@ -23,7 +23,7 @@ from treadle.api.schemas import (
     WeightsInfo,
     parse,
 )
-from treadle.platform import checkpoints, optypes, storage
+from treadle.platform import checkpoints, commands, optypes, storage
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import NotFoundError, ValidationError
 
@@ -162,23 +162,20 @@ def load_weights() -> Any:
             f"{body.path} was trained on {source.base_model}, not {body.base_model}"
         )
     model_id = sessions_core.training_session_id(body.session_id, body.model_seq_id)
-    with services().db.begin() as conn:
-        sessions_core.get_client_session(conn, who, body.session_id)
-        require_live_worker(conn)
-        sessions_core.create_session(
-            conn,
-            who,
-            session_id=model_id,
-            client_session_id=body.session_id,
-            kind="training",
-            base_model=source.base_model,
-            name=source.name,
-            lora_config=source.lora_config,
-            model_package_group=source.model_package_group,
-        )
-    place(model_id)
-    admission = submit(model_id, 0, payload.model_copy(update={"create": True}))
-    return jsonify(request_id=admission.request_id, model_id=model_id)
+    opened = commands.open_session(
+        services().deps,
+        who,
+        session_id=model_id,
+        client_session_id=body.session_id,
+        kind="training",
+        base_model=source.base_model,
+        first=payload.model_copy(update={"create": True}),
+        name=source.name,
+        lora_config=source.lora_config,
+        model_package_group=source.model_package_group,
+    )
+    assert opened is not None, "a training session's first operation is always admitted"
+    return jsonify(request_id=opened.request_id, model_id=model_id)
 
 
 # --- the registry (Tinker REST shape) -----------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
-from treadle.api.app import json_body, principal, services
+from treadle.api.context import json_body, principal, services
 from treadle.api.schemas import RetrieveFuture, parse
 from treadle.api.wire import encode_forward_backward_output, encode_sample_response
 from treadle.platform import operations

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import sqlalchemy as sa
 from flask import Blueprint, jsonify
 
-from treadle.api.admission import place, require_live_worker, submit
-from treadle.api.app import json_body, principal, services
+from treadle.api.admission import submit
+from treadle.api.context import json_body, principal, services
 from treadle.api.schemas import CreateSamplingSession, Sample, parse
-from treadle.platform import catalog, checkpoints, optypes, validation
+from treadle.platform import catalog, checkpoints, commands, optypes, validation
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError
 
@@ -42,17 +43,8 @@ def create_sampling_session() -> Any:
         raise ValidationError("create_sampling_session needs base_model or model_path")
     catalog.get_base_model(base_model)
     sampler = sessions_core.sampler_id(body.session_id, body.sampling_session_seq_id)
-    with services().db.begin() as conn:
-        sessions_core.get_client_session(conn, who, body.session_id)
-        require_live_worker(conn)
-        sessions_core.create_session(
-            conn,
-            who,
-            session_id=sampler,
-            client_session_id=body.session_id,
-            kind="sampling",
-            base_model=base_model,
-        )
+
+    def with_sampler(conn: sa.Connection) -> None:
         sessions_core.create_sampler(
             conn,
             who,
@@ -64,7 +56,16 @@ def create_sampling_session() -> Any:
             model_path=str(checkpoint.path) if checkpoint else None,
             checkpoint_prefix=checkpoint.storage_prefix if checkpoint else None,
         )
-    place(sampler)
+
+    commands.open_session(
+        services().deps,
+        who,
+        session_id=sampler,
+        client_session_id=body.session_id,
+        kind="sampling",
+        base_model=base_model,
+        with_session=with_sampler,
+    )
     return jsonify(sampling_session_id=sampler)
 
 

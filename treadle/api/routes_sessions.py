@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import kombu.exceptions
 from flask import Blueprint, jsonify
 
-from treadle.api.app import RETRY_AFTER_SECONDS, json_body, principal, services
+from treadle.api.context import RETRY_AFTER_SECONDS, json_body, principal, services
 from treadle.api.schemas import CreateSession, FinishSession, SessionRef, parse
-from treadle.platform import catalog, leases, notify, operations, routing
+from treadle.platform import catalog, commands, leases, validation
 from treadle.platform import sessions as sessions_core
 
 log = logging.getLogger(__name__)
@@ -59,8 +58,16 @@ def _first_line(exc: Exception) -> str:
 
 @bp.post("/api/v1/client/config")
 def client_config() -> Any:
-    # Plain HTTP/1.1 with httpx; results are long-polled, so the SDK's defaults otherwise hold.
-    return jsonify(use_pyqwest_transport=False, pjwt_auth_enabled=False)
+    # Plain HTTP/1.1 with httpx; results are long-polled. forward_backward chunks stay within
+    # the body limit (the SDK's estimate leaves out framing, hence half) and are sent uncompressed
+    # (zstd bodies are refused); the SDK's defaults otherwise hold.
+    return jsonify(
+        use_pyqwest_transport=False,
+        pjwt_auth_enabled=False,
+        proto_compress_fwdbwd=False,
+        fwdbwd_max_chunk_len=validation.FWDBWD_MAX_CHUNK_LEN,
+        fwdbwd_max_chunk_bytes_count=services().config.fwdbwd_chunk_bytes,
+    )
 
 
 @bp.post("/api/v1/client/dynamic_config")
@@ -109,24 +116,8 @@ def session_heartbeat() -> Any:
 @bp.post("/api/v1/sessions/<session_id>/finish")
 def finish_session(session_id: str) -> Any:
     body = parse(FinishSession, json_body() or {})
-    svc = services()
     reason = str(body.reason.get("type", "success"))
-    with svc.db.begin() as conn:
-        stopped = sessions_core.finish_client_session(conn, principal(), session_id, reason)
-        failed = [
-            request_id
-            for model_id in stopped
-            for request_id in operations.fail_pending(
-                conn, model_id, f"session {session_id} was finished"
-            )
-        ]
-    for model_id in stopped:
-        try:
-            routing.request_stop(svc.celery, model_id)
-        except kombu.exceptions.OperationalError as exc:  # the worker sees the stopped status
-            log.warning("could not send the stop of %s: %s", model_id, exc)
-    for request_id in failed:
-        notify.publish_done(svc.redis, request_id)
+    stopped = commands.finish_client_session(services().deps, principal(), session_id, reason)
     return jsonify(session_id=session_id, stopped=stopped)
 
 

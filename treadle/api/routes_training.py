@@ -10,17 +10,11 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
-from treadle.api.admission import (
-    expect_seq,
-    parse_training,
-    place,
-    require_live_worker,
-    submit,
-)
-from treadle.api.app import json_body, principal, services
+from treadle.api.admission import expect_seq, parse_training, submit
+from treadle.api.context import json_body, principal, services
 from treadle.api.schemas import CreateModel, ModelRef, OptimStep, parse
 from treadle.api.wire import decode_forward_backward
-from treadle.platform import catalog, optypes, validation
+from treadle.platform import catalog, commands, optypes, validation
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError
 
@@ -46,31 +40,23 @@ def create_model() -> Any:
         "train_unembed": lora.train_unembed,
     }
     model_id = sessions_core.training_session_id(body.session_id, body.model_seq_id)
-    svc = services()
-    with svc.db.begin() as conn:
-        sessions_core.get_client_session(conn, principal(), body.session_id)
-        require_live_worker(conn)
-        sessions_core.create_session(
-            conn,
-            principal(),
-            session_id=model_id,
-            client_session_id=body.session_id,
-            kind="training",
-            base_model=body.base_model,
-            name=name,
-            lora_config=lora_config,
-            user_metadata=body.user_metadata,
-            model_package_group=sessions_core.ensure_valid_name(body.model_package_group),
-        )
-    place(model_id)
-    admission = submit(
-        model_id,
-        0,
-        optypes.CreateModel(
+    opened = commands.open_session(
+        services().deps,
+        principal(),
+        session_id=model_id,
+        client_session_id=body.session_id,
+        kind="training",
+        base_model=body.base_model,
+        first=optypes.CreateModel(
             base_model=body.base_model, lora_config=optypes.LoraConfig(**lora_config)
         ),
+        name=name,
+        lora_config=lora_config,
+        user_metadata=body.user_metadata,
+        model_package_group=sessions_core.ensure_valid_name(body.model_package_group),
     )
-    return jsonify(request_id=admission.request_id, model_id=model_id)
+    assert opened is not None, "a training session's first operation is always admitted"
+    return jsonify(request_id=opened.request_id, model_id=model_id)
 
 
 @bp.post("/api/v1/get_info")
@@ -99,9 +85,8 @@ def forward_backward() -> Any:
         raise ValidationError(
             "zstd-compressed forward_backward bodies are not accepted; send it plain"
         )
-    decoded = decode_forward_backward(request.get_data())
+    decoded = decode_forward_backward(request.get_data(), on_seq=expect_seq)
     model_id, payload = decoded["model_id"], decoded["payload"]
-    expect_seq(model_id, decoded["seq_id"])
     if decoded["seq_id"] < 1:
         raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
     with services().db.connect() as conn:

@@ -1,4 +1,5 @@
-"""Treadle's extensions under /api/v1/treadle: tokenizers, session stop and audit, tenants.
+"""Treadle's extensions under /api/v1/treadle: tokenizers, session stop and audit (tenants and
+keys are in `routes_admin`).
 
 Imports platform only; never torch.
 """
@@ -9,14 +10,12 @@ import base64
 import logging
 from typing import Any
 
-import kombu.exceptions
 from flask import Blueprint, jsonify, request
 
-from treadle.api.app import json_body, principal, services
-from treadle.api.schemas import CreateTenant, parse
-from treadle.platform import catalog, events, notify, operations, routing, tenants, tokenizers
+from treadle.api.context import principal, services
+from treadle.platform import catalog, commands, events, tokenizers
 from treadle.platform import sessions as sessions_core
-from treadle.platform.errors import PermissionDeniedError, ValidationError
+from treadle.platform.errors import ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +52,7 @@ def tokenizer() -> Any:
 
 @bp.post("/sessions/<path:model_id>/stop")
 def stop(model_id: str) -> Any:
-    svc = services()
-    with svc.db.begin() as conn:
-        stopped = sessions_core.stop_session(conn, principal(), model_id, "stopped by client")
-        failed = operations.fail_pending(conn, model_id, f"model {model_id} was stopped")
-    if stopped:
-        try:
-            routing.request_stop(svc.celery, model_id)
-        except kombu.exceptions.OperationalError as exc:  # its worker sees the status anyway
-            log.warning("could not send the stop of %s: %s", model_id, exc)
-    for request_id in failed:
-        notify.publish_done(svc.redis, request_id)
+    commands.stop_session(services().deps, principal(), model_id)
     return jsonify(model_id=model_id, status="Stopped")
 
 
@@ -100,14 +89,3 @@ def session_events(model_id: str) -> Any:
             for e in stream
         ]
     )
-
-
-@bp.post("/tenants")
-def create_tenant() -> Any:
-    if not principal().is_admin:
-        raise PermissionDeniedError("creating tenants needs an admin key")
-    body = parse(CreateTenant, json_body())
-    with services().db.begin() as conn:
-        tenants.ensure_tenant(conn, body.id, body.name)
-        key_id, plaintext = tenants.create_key(conn, body.id, body.role)
-    return jsonify(tenant_id=body.id, key_id=key_id, api_key=plaintext), 201

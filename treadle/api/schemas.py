@@ -1,19 +1,117 @@
 """Request bodies of the JSON routes, as pydantic models (unknown fields are ignored, as the
 Tinker protocol's evolving clients expect). Parsing failures become a 400 naming the field.
+
+Every field is bounded (limits in platform.validation, listed in docs/api.md): ids and names in
+length, integers in range (seeds fit 64 bits), sampling parameters within what the worker can
+do, user_metadata and tags in size; numbers are finite. Bodies reach `parse` through
+`body.read_json`, which has already bounded their nesting, size and number literals.
 Imports platform only; never torch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+import json
+import math
+from typing import Annotated, Any, TypeVar
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from treadle.platform.errors import ValidationError
+from treadle.platform.validation import (
+    MAX_ID_LENGTH,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_DEPTH,
+    MAX_METADATA_KEYS,
+    MAX_NUM_SAMPLES,
+    MAX_SAMPLE_TOKENS,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_STOP_LENGTH,
+    MAX_TAG_LENGTH,
+    MAX_TAGS,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_ID,
+    MAX_TOP_K,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+)
 
 MAX_ID = 2**62  # seq ids and counters fit a BIGINT with room to spare
 MAX_TTL = 10 * 365 * 24 * 3600
+MAX_DETAIL_LENGTH = 4096
+
+
+def _metadata(value: dict[str, Any]) -> dict[str, Any]:
+    """user_metadata: a small JSON object of finite numbers, strings, booleans and nulls."""
+    if len(value) > MAX_METADATA_KEYS:
+        raise ValueError(f"{len(value)} keys; send at most {MAX_METADATA_KEYS}")
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > MAX_METADATA_BYTES:  # checked first: it bounds the walk below
+        raise ValueError(
+            f"{size} bytes as JSON; at most {MAX_METADATA_BYTES} are allowed: keep large data "
+            "elsewhere and store a reference to it"
+        )
+    stack: list[tuple[str, Any, int]] = [("user_metadata", value, 1)]
+    while stack:
+        path, item, depth = stack.pop()
+        if isinstance(item, dict | list) and depth > MAX_METADATA_DEPTH:
+            raise ValueError(
+                f"{path} nests objects and arrays {depth} levels deep; at most "
+                f"{MAX_METADATA_DEPTH} are allowed"
+            )
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{path} is {item}; numbers must be finite")
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{k}", v, depth + 1) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", v, depth + 1) for i, v in enumerate(item))
+    return value
+
+
+def _finish_reason(value: dict[str, Any]) -> dict[str, Any]:
+    kind = value.get("type", "success")
+    if not isinstance(kind, str) or len(kind) > 64:
+        raise ValueError("reason.type must be a short string such as 'success' or 'errored'")
+    return value
+
+
+def _temperature(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(
+            f"{value} is below {MIN_TEMPERATURE}; use 0 for greedy decoding, or a temperature "
+            f"between {MIN_TEMPERATURE} and {MAX_TEMPERATURE}"
+        )
+    return value
+
+
+def _stop(value: str | list[str] | list[int] | None) -> str | list[str] | list[int] | None:
+    items: list[str] | list[int] = [value] if isinstance(value, str) else value or []
+    if len(items) > MAX_STOP:
+        raise ValueError(f"{len(items)} entries; send at most {MAX_STOP}")
+    for item in items:
+        if isinstance(item, str) and len(item) > MAX_STOP_LENGTH:
+            raise ValueError(
+                f"a stop string of {len(item)} characters; each has at most {MAX_STOP_LENGTH}"
+            )
+        if isinstance(item, int) and not 0 <= item <= MAX_TOKEN_ID:
+            raise ValueError(f"stop token id {item} is not a token id; ids are in [0, 2**31)")
+    return value
+
+
+def _top_p(value: float) -> float:
+    if not MIN_TOP_P <= value <= 1:
+        raise ValueError(
+            f"{value} is outside [{MIN_TOP_P}, 1]; a top_p of {MIN_TOP_P} (or top_k=1) already "
+            "keeps only the likeliest token, and 1 keeps them all"
+        )
+    return value
+
+
+Id = Annotated[str, Field(max_length=MAX_ID_LENGTH)]  # ids, names, paths, base model names
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]  # unsigned 64-bit
+Metadata = Annotated[dict[str, Any], AfterValidator(_metadata)]
+Tag = Annotated[str, Field(max_length=MAX_TAG_LENGTH)]
 
 
 class Body(BaseModel):
@@ -21,40 +119,40 @@ class Body(BaseModel):
 
 
 class CreateSession(Body):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    tags: list[Tag] = Field(default_factory=list, max_length=MAX_TAGS)
+    user_metadata: Metadata = Field(default_factory=dict)
 
 
 class SessionRef(Body):
-    session_id: str
+    session_id: Id
 
 
 class FinishSession(Body):
-    reason: dict[str, Any] = Field(default_factory=dict)
-    detail: str | None = None
+    reason: Annotated[dict[str, Any], AfterValidator(_finish_reason)] = Field(default_factory=dict)
+    detail: str | None = Field(None, max_length=MAX_DETAIL_LENGTH)
 
 
 class LoraConfig(Body):
     rank: int = Field(32, ge=1, le=512)
     alpha: float | None = Field(None, gt=0)
-    seed: int | None = None
+    seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
 
 
 class CreateModel(Body):
-    session_id: str
+    session_id: Id
     model_seq_id: int = Field(ge=0, le=MAX_ID)
-    base_model: str
-    user_metadata: dict[str, Any] | None = None
+    base_model: Id
+    user_metadata: Metadata | None = None
     lora_config: LoraConfig = Field(default_factory=lambda: LoraConfig())
-    training_session_name: str | None = None
-    model_package_group: str | None = None
+    training_session_name: Id | None = None
+    model_package_group: Id | None = None
 
 
 class ModelRef(Body):
-    model_id: str
+    model_id: Id
 
 
 class AdamParams(Body):
@@ -67,39 +165,39 @@ class AdamParams(Body):
 
 
 class OptimStep(Body):
-    model_id: str
+    model_id: Id
     seq_id: int = Field(ge=1, le=MAX_ID)
     adam_params: AdamParams = Field(default_factory=lambda: AdamParams())
     optimizer_params: dict[str, Any] | None = None
 
 
 class SaveWeightsForSampler(Body):
-    model_id: str
+    model_id: Id
     seq_id: int = Field(ge=1, le=MAX_ID)
-    path: str | None = None
+    path: Id | None = None
     sampling_session_seq_id: int | None = Field(None, ge=0, le=MAX_ID)
-    kind: str | None = None
+    kind: Id | None = None
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL)
     merge_weights: bool = False
 
 
 class SaveWeights(Body):
-    model_id: str
+    model_id: Id
     seq_id: int = Field(ge=1, le=MAX_ID)
-    path: str
+    path: Id
     ttl_seconds: int | None = Field(None, ge=1, le=MAX_TTL)
     overwrite: bool = False
 
 
 class LoadWeights(Body):
-    path: str
+    path: Id
     optimizer: bool = False
     # create-via-load (create_training_client_from_state[_with_optimizer])
-    session_id: str | None = None
+    session_id: Id | None = None
     model_seq_id: int | None = Field(None, ge=0, le=MAX_ID)
-    base_model: str | None = None
+    base_model: Id | None = None
     # legacy load_state into an existing model
-    model_id: str | None = None
+    model_id: Id | None = None
     seq_id: int | None = Field(None, ge=1, le=MAX_ID)
 
 
@@ -108,18 +206,18 @@ class CheckpointTtl(Body):
 
 
 class WeightsInfo(Body):
-    tinker_path: str
+    tinker_path: Id
 
 
 class CreateSamplingSession(Body):
-    session_id: str
+    session_id: Id
     sampling_session_seq_id: int = Field(ge=0, le=MAX_ID)
-    base_model: str | None = None
-    model_path: str | None = None
+    base_model: Id | None = None
+    model_path: Id | None = None
 
 
 class Chunk(Body):
-    type: str = "encoded_text"
+    type: Id = "encoded_text"
     tokens: list[int] = Field(default_factory=list)
 
 
@@ -128,20 +226,24 @@ class ModelInput(Body):
 
 
 class SamplingParams(Body):
-    max_tokens: int | None = Field(None, ge=1, le=MAX_ID)
-    seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_k: int = -1
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_SAMPLE_TOKENS)
+    seed: Seed | None = None
+    stop: Annotated[str | list[str] | list[int] | None, AfterValidator(_stop)] = None
+    temperature: Annotated[float, AfterValidator(_temperature)] = Field(
+        1.0, ge=0, le=MAX_TEMPERATURE
+    )
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K)
+    top_p: Annotated[float, AfterValidator(_top_p)] = Field(
+        1.0, json_schema_extra={"minimum": MIN_TOP_P, "maximum": 1}
+    )
 
 
 class Sample(Body):
-    sampling_session_id: str | None = None
-    base_model: str | None = None
-    model_path: str | None = None
+    sampling_session_id: Id | None = None
+    base_model: Id | None = None
+    model_path: Id | None = None
     seq_id: int = Field(0, ge=0, le=MAX_ID)
-    num_samples: int = Field(1, ge=1, le=128)
+    num_samples: int = Field(1, ge=1, le=MAX_NUM_SAMPLES)
     prompt: ModelInput
     sampling_params: SamplingParams = Field(default_factory=lambda: SamplingParams())
     prompt_logprobs: bool = False
@@ -150,16 +252,21 @@ class Sample(Body):
     prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_ID)
     prompt_logprobs_last_n: int | None = None
 
+    @model_validator(mode="after")
+    def _bounded_work(self) -> Sample:
+        max_tokens = self.sampling_params.max_tokens
+        if max_tokens is not None and self.num_samples * max_tokens > MAX_SAMPLE_TOKENS:
+            raise ValueError(
+                f"num_samples x sampling_params.max_tokens = {self.num_samples} x {max_tokens} = "
+                f"{self.num_samples * max_tokens} tokens; one request samples at most "
+                f"{MAX_SAMPLE_TOKENS}: lower either, or send several requests"
+            )
+        return self
+
 
 class RetrieveFuture(Body):
-    request_id: str
+    request_id: Id
     allow_metadata_only: bool = False
-
-
-class CreateTenant(Body):
-    id: str
-    name: str | None = None
-    role: Literal["admin", "member"] = "member"
 
 
 B = TypeVar("B", bound=Body)
@@ -182,12 +289,14 @@ def reject_nul(value: Any, where: str = "body") -> None:
 def parse(model: type[B], payload: Any) -> B:
     """Validate a JSON body; a failure is a 400 that names each bad field."""
     if not isinstance(payload, dict):
-        raise ValidationError("the request body must be a JSON object")
+        raise ValidationError("the request body must be a JSON object; send {...} with its fields")
     reject_nul(payload)
     try:
         return model.model_validate(payload)
     except pydantic.ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
+            + e["msg"].removeprefix("Value error, ")
+            for e in exc.errors()
         )
         raise ValidationError(f"invalid {model.__name__} request: {problems}") from None

@@ -3,39 +3,71 @@
 
 Requests become plain JSON-able payloads (token lists and `{dtype, shape, data}` tensors) that
 the event log stores; results stored as JSON become proto bytes again on `retrieve_future`.
+Nothing is allocated in proportion to what a request declares: the body's fields are counted
+before it is parsed, and every tensor's shape and sparse indices are checked against its datum's
+token count and the body's size before anything dense is built (limits in platform.validation).
 Imports platform only; never torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from treadle.platform.errors import ValidationError
+from treadle.platform.validation import (
+    FWDBWD_MAX_CHUNK_LEN,
+    MAX_DATUMS,
+    MAX_LOSS_INPUTS,
+    MAX_PROTO_FIELDS,
+    MAX_TENSOR_RANK,
+    MAX_VALUES_PER_TOKEN,
+    SPARSE_VALUE_ALLOWANCE,
+)
 
+# Bytes fields hold raw little-endian arrays.
 _DTYPES: dict[int, tuple[str, np.dtype[Any]]] = {
-    pb.DTYPE_FLOAT32: ("float32", np.dtype(np.float32)),
-    pb.DTYPE_INT64: ("int64", np.dtype(np.int64)),
-    pb.DTYPE_INT32: ("int64", np.dtype(np.int32)),
+    pb.DTYPE_FLOAT32: ("float32", np.dtype("<f4")),
+    pb.DTYPE_INT64: ("int64", np.dtype("<i8")),
+    pb.DTYPE_INT32: ("int64", np.dtype("<i4")),
 }
+_TOKEN = np.dtype("<i4")
+_INDEX = np.dtype("<i8")
 _PB_DTYPE = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
 _STOP_REASON = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+_REQUEST: Descriptor = pb.ForwardBackwardRequest.DESCRIPTOR
+_DATA_FIELD = _REQUEST.fields_by_name["data"].number
+_OPAQUE = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+_NOT_A_REQUEST = "send it with Content-Type: application/x-protobuf as the tinker SDK does"
 
 
-def decode_forward_backward(body: bytes) -> dict[str, Any]:
-    """Parse a ForwardBackwardRequest into {model_id, seq_id, payload}."""
+def decode_forward_backward(
+    body: bytes, on_seq: Callable[[str, int], None] | None = None
+) -> dict[str, Any]:
+    """Parse a ForwardBackwardRequest into {model_id, seq_id, payload}.
+
+    `on_seq(model_id, seq_id)` runs as soon as those are read, before the rest is checked (the
+    route notes the seq_id, so a refusal of the request's contents releases it).
+    """
+    _count_fields(body)
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except DecodeError as exc:
         raise ValidationError(
             f"forward_backward body is not a valid ForwardBackwardRequest protobuf ({exc}); "
-            "send it with Content-Type: application/x-protobuf as the tinker SDK does"
+            + _NOT_A_REQUEST
         ) from exc
+    if "\x00" in msg.model_id or "\x00" in msg.loss_fn:
+        raise ValidationError("model_id and loss_fn may not contain NUL characters")
+    if on_seq is not None:
+        on_seq(msg.model_id, int(msg.seq_id))
     if any("\x00" in k for k in [*msg.loss_fn_config, *msg.loss_fn_config_v2]):
         raise ValidationError("a loss_fn_config key contains a NUL character")
     config: dict[str, float] = {k: float(v) for k, v in msg.loss_fn_config.items()}
@@ -46,9 +78,8 @@ def decode_forward_backward(body: bytes) -> dict[str, Any]:
             raise ValidationError(
                 f"loss_fn_config[{key!r}] is a string; only numeric loss_fn_config values are accepted"
             )
-    if "\x00" in msg.model_id or "\x00" in msg.loss_fn:
-        raise ValidationError("model_id and loss_fn may not contain NUL characters")
-    data = [_datum(i, d) for i, d in enumerate(msg.data)]
+    budget = _Budget(len(body))
+    data = [_datum(i, d, budget) for i, d in enumerate(msg.data)]
     return {
         "model_id": msg.model_id,
         "seq_id": int(msg.seq_id),
@@ -61,8 +92,112 @@ def decode_forward_backward(body: bytes) -> dict[str, Any]:
     }
 
 
-def _datum(index: int, d: pb.Datum) -> dict[str, Any]:
-    tokens: list[int] = []
+def _count_fields(body: bytes) -> None:
+    """Walk the protobuf wire format without parsing it, counting fields at every depth (a packed
+    array counts one per byte) and the datums. The parser allocates per field, so an empty
+    message of a few bytes costs it ~56: these counts bound that before it runs."""
+    fields = datums = 0
+    stack: list[tuple[int, int, Descriptor | None]] = [(0, len(body), _REQUEST)]
+    while stack:
+        start, end, message = stack.pop()
+        layout = _layout(message)
+        pos = start
+        while pos < end:
+            key = body[pos]  # one byte for every field number below 16, as in these messages
+            pos += 1
+            if key >= 0x80:
+                key, pos = _varint(body, pos - 1, end)
+            number, wire_type = key >> 3, key & 7
+            fields += 1
+            if wire_type == 2:
+                length, pos = _varint(body, pos, end)
+                inner, packed = layout.get(number, (None, False))
+                if inner is not None:
+                    stack.append((pos, min(pos + length, end), inner))
+                elif packed:
+                    fields += length  # up to one element per byte
+                pos += length
+            elif wire_type == 0:
+                _, pos = _varint(body, pos, end)
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            else:
+                raise _malformed(f"wire type {wire_type} of field {number}")
+            if pos > end:
+                raise _malformed(f"field {number} runs past the end of its message")
+            if message is _REQUEST and number == _DATA_FIELD:
+                datums += 1
+                if datums > MAX_DATUMS:
+                    raise ValidationError(
+                        f"more than {MAX_DATUMS} datums in one forward_backward request; send at "
+                        f"most {MAX_DATUMS} (the tinker SDK sends {FWDBWD_MAX_CHUNK_LEN} per "
+                        "request, as client/config tells it)"
+                    )
+            if fields > MAX_PROTO_FIELDS:
+                raise ValidationError(
+                    f"the forward_backward body holds more than {MAX_PROTO_FIELDS} protobuf "
+                    "fields; send fewer datums, chunks or tensors per request"
+                )
+
+
+_LAYOUTS: dict[str, dict[int, tuple[Descriptor | None, bool]]] = {}
+
+
+def _layout(message: Descriptor | None) -> dict[int, tuple[Descriptor | None, bool]]:
+    """Field number -> (its message type if it is one, whether it is a packed scalar array)."""
+    if message is None:  # an unknown field's contents are kept as bytes, never parsed
+        return {}
+    if message.full_name not in _LAYOUTS:
+        _LAYOUTS[message.full_name] = {
+            f.number: (f.message_type, f.message_type is None and f.type not in _OPAQUE)
+            for f in message.fields
+        }
+    return _LAYOUTS[message.full_name]
+
+
+def _varint(body: bytes, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift < 70:
+        byte = body[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise _malformed("a truncated or overlong varint")
+
+
+def _malformed(what: str) -> ValidationError:
+    return ValidationError(
+        f"forward_backward body is not a valid ForwardBackwardRequest protobuf ({what}); "
+        + _NOT_A_REQUEST
+    )
+
+
+class _Budget:
+    """The tensor values a request may declare: one per 4 bytes of its body (what dense tensors
+    can carry) plus SPARSE_VALUE_ALLOWANCE, since sparse tensors are stored dense."""
+
+    def __init__(self, body_bytes: int) -> None:
+        self.body_bytes = body_bytes
+        self.limit = body_bytes // 4 + SPARSE_VALUE_ALLOWANCE
+        self.spent = 0
+
+    def spend(self, where: str, values: int) -> None:
+        self.spent += values
+        if self.spent > self.limit:
+            raise ValidationError(
+                f"{where}: the request's tensors declare {self.spent} values or more in a "
+                f"{self.body_bytes}-byte body; a request may declare at most one value per 4 "
+                f"bytes of its body plus {SPARSE_VALUE_ALLOWANCE} (sparse tensors are stored "
+                "dense): send dense tensors, or fewer values"
+            )
+
+
+def _datum(index: int, d: pb.Datum, budget: _Budget) -> dict[str, Any]:
+    parts: list[np.ndarray[Any, Any]] = []
     for chunk in d.model_input:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
@@ -70,47 +205,116 @@ def _datum(index: int, d: pb.Datum) -> dict[str, Any]:
                 f"datum {index}: model_input has a {kind} chunk; only encoded_text (token) chunks "
                 "are supported by this server"
             )
-        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        parts.append(
+            _array(f"datum {index}: model_input tokens", chunk.encoded_text.tokens, _TOKEN)
+        )
+    tokens: list[int] = np.concatenate(parts).tolist() if parts else []
+    if len(d.loss_fn_inputs) > MAX_LOSS_INPUTS:
+        raise ValidationError(
+            f"datum {index}: loss_fn_inputs has {len(d.loss_fn_inputs)} tensors; send at most "
+            f"{MAX_LOSS_INPUTS} (the losses take at most 3)"
+        )
     if any("\x00" in name for name in d.loss_fn_inputs):
         raise ValidationError(f"datum {index}: a loss_fn_inputs name contains a NUL character")
-    inputs = {name: _tensor(index, name, t) for name, t in d.loss_fn_inputs.items()}
+    inputs = {
+        name: _tensor(f"datum {index}: loss_fn_inputs[{name!r}]", t, len(tokens), budget)
+        for name, t in d.loss_fn_inputs.items()
+    }
     return {"tokens": tokens, "loss_fn_inputs": inputs}
 
 
-def _tensor(index: int, name: str, t: pb.Tensor) -> dict[str, Any]:
+def _tensor(where: str, t: pb.Tensor, n_tokens: int, budget: _Budget) -> dict[str, Any]:
+    """A tensor as {dtype, shape, data}; its declared shape is checked before anything is built."""
     if t.dtype not in _DTYPES:
-        raise ValidationError(
-            f"datum {index}: loss_fn_inputs[{name!r}] has unsupported dtype {t.dtype}; "
-            "use float32 or int64"
-        )
+        raise ValidationError(f"{where} has unsupported dtype {t.dtype}; use float32 or int64")
     label, np_dtype = _DTYPES[t.dtype]
-    shape = [int(s) for s in t.shape]
-    try:
-        if t.WhichOneof("encoding") == "sparse_csr":
-            values = np.frombuffer(t.sparse_csr.values, dtype=np_dtype)
-            crow = np.frombuffer(t.sparse_csr.crow_indices, dtype=np.int64)
-            col = np.frombuffer(t.sparse_csr.col_indices, dtype=np.int64)
-            if len(shape) != 2:
-                raise ValueError("a sparse CSR tensor needs a 2-D shape")
-            dense = np.zeros(shape, dtype=np_dtype)
-            for row in range(shape[0]):
-                lo, hi = int(crow[row]), int(crow[row + 1])
-                dense[row, col[lo:hi]] = values[lo:hi]
-            array = dense
-        else:
-            array = np.frombuffer(t.dense, dtype=np_dtype)
-            if shape:
-                array = array.reshape(shape)
-    except (ValueError, IndexError) as exc:
+    if len(t.shape) > MAX_TENSOR_RANK:
         raise ValidationError(
-            f"datum {index}: loss_fn_inputs[{name!r}] is malformed ({exc}); its data must match "
-            "its shape"
-        ) from exc
-    if label == "float32" and not np.all(np.isfinite(array)):
-        raise ValidationError(
-            f"datum {index}: loss_fn_inputs[{name!r}] contains NaN or infinity; send finite numbers"
+            f"{where} has rank {len(t.shape)}; loss_fn_inputs tensors are 1-D (one value per "
+            "token) or 2-D"
         )
-    return {"dtype": label, "shape": list(array.shape), "data": array.reshape(-1).tolist()}
+    shape = list(t.shape)
+    if min(shape, default=0) < 0:
+        raise ValidationError(f"{where} has shape {shape}; a dimension cannot be negative")
+    sparse = t.WhichOneof("encoding") == "sparse_csr"
+    if sparse:
+        if len(shape) != 2:
+            raise ValidationError(
+                f"{where} is sparse (CSR) with shape {shape}; a sparse tensor needs a 2-D shape "
+                "[rows, columns]"
+            )
+        declared = math.prod(shape)
+    else:
+        values = _array(where, t.dense, np_dtype)
+        declared = math.prod(shape) if shape else values.size
+        if declared != values.size:
+            raise ValidationError(
+                f"{where} has {values.size} values but its shape {shape} holds {declared}; "
+                "its data must match its shape"
+            )
+    allowed = max(n_tokens, 1) * MAX_VALUES_PER_TOKEN
+    if declared > allowed or any(s > allowed for s in shape):
+        raise ValidationError(
+            f"{where} declares shape {shape} ({declared} values) but its datum has {n_tokens} "
+            f"tokens; a loss_fn_inputs tensor holds at most {MAX_VALUES_PER_TOKEN} values per "
+            "token (the losses take one per token: a 1-D tensor as long as model_input)"
+        )
+    budget.spend(where, declared)
+    array = _csr_to_dense(where, t.sparse_csr, shape, np_dtype) if sparse else values
+    if label == "float32" and not np.isfinite(array).all():
+        raise ValidationError(f"{where} contains NaN or infinity; send finite numbers")
+    out_shape = shape or [array.size]
+    return {"dtype": label, "shape": out_shape, "data": array.reshape(-1).tolist()}
+
+
+def _csr_to_dense(
+    where: str, csr: pb.SparseCsr, shape: list[int], np_dtype: np.dtype[Any]
+) -> np.ndarray[Any, Any]:
+    """The dense array of a CSR tensor whose dense size was already bounded; the index arrays are
+    checked first (their sizes are what was sent, not what was declared)."""
+    rows, cols = shape
+    values = _array(f"{where} sparse_csr.values", csr.values, np_dtype)
+    crow = _array(f"{where} sparse_csr.crow_indices", csr.crow_indices, _INDEX)
+    col = _array(f"{where} sparse_csr.col_indices", csr.col_indices, _INDEX)
+    if crow.size != rows + 1:
+        raise ValidationError(
+            f"{where} has {crow.size} crow_indices; a CSR tensor of {rows} rows needs {rows + 1}"
+        )
+    counts = np.diff(crow)
+    if crow[0] != 0 or (counts < 0).any() or crow[-1] != col.size:
+        raise ValidationError(
+            f"{where}: crow_indices must start at 0, never decrease and end at the number of "
+            f"col_indices ({col.size})"
+        )
+    if values.size != col.size:
+        raise ValidationError(
+            f"{where} has {values.size} values for {col.size} col_indices; send one value per "
+            "column index"
+        )
+    if col.size and (col.min() < 0 or col.max() >= cols):
+        raise ValidationError(
+            f"{where} has a column index outside [0, {cols}); every col_indices entry must be a "
+            "column of its shape"
+        )
+    row_of = np.repeat(np.arange(rows), counts)
+    if ((row_of[1:] == row_of[:-1]) & (col[1:] <= col[:-1])).any():
+        raise ValidationError(
+            f"{where}: col_indices must increase within each row (sorted, no repeats)"
+        )
+    if np.issubdtype(np_dtype, np.floating) and not np.isfinite(values).all():
+        raise ValidationError(f"{where} contains NaN or infinity; send finite numbers")
+    dense = np.zeros((rows, cols), dtype=np_dtype)
+    dense[row_of, col] = values
+    return dense
+
+
+def _array(where: str, raw: bytes, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    if len(raw) % dtype.itemsize:
+        raise ValidationError(
+            f"{where} has {len(raw)} bytes, not a whole number of {dtype.itemsize}-byte values; "
+            "send whole little-endian values"
+        )
+    return np.frombuffer(raw, dtype=dtype)
 
 
 def encode_forward_backward_output(result: Mapping[str, Any]) -> bytes:

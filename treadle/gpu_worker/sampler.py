@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from treadle.platform.errors import ValidationError
+from treadle.platform.validation import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
 
 __all__ = ["SampleResult", "SampledSequence", "SamplingSpec", "generate", "validate_sampling"]
 
@@ -95,12 +96,19 @@ def validate_sampling(
             f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
             f"model's maximum context of {max_context_length}; shorten one of them"
         )
-    if not params.temperature >= 0.0:
-        raise ValidationError(f"temperature is {params.temperature}; it must be 0 or more")
+    # The API refuses these first (the same limits, treadle/platform/validation.py); the engine
+    # checks again because what it is given must never become a server error.
+    if not (params.temperature == 0.0 or MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE):
+        raise ValidationError(
+            f"temperature is {params.temperature}; use 0 (greedy) or a value in "
+            f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]"
+        )
     if params.top_k < -1:
         raise ValidationError(f"top_k is {params.top_k}; use -1 for no limit or a positive k")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValidationError(f"top_p is {params.top_p}; it must be in (0, 1]")
+    if not MIN_TOP_P <= params.top_p <= 1.0:
+        raise ValidationError(f"top_p is {params.top_p}; it must be in [{MIN_TOP_P}, 1]")
+    if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+        raise ValidationError(f"seed is {params.seed}; it must be in [0, 2**64 - 1]")
     stop = _stop_tuple(params.stop) or ()
     if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) for s in stop)):
         raise ValidationError("stop must be all strings or all token ids, not a mix")

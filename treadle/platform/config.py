@@ -41,6 +41,9 @@ class PlatformConfig:
     # A seq_id the worker never received (and that was not refused) is skipped after this long.
     gap_timeout_seconds: float = 60.0
     api_threads: int = 256
+    # The largest request body the API reads (413 beyond it). forward_backward is the only big
+    # one; the tinker SDK is told (client/config) to keep its chunks within half of it.
+    max_body_bytes: int = 8 * 1024 * 1024
     # Tests only: lets a test pause a worker between an operation's effect and its settlement
     # (see gpu_worker/faults.py). Never set in production.
     debug_faults: bool = False
@@ -50,6 +53,12 @@ class PlatformConfig:
     s3_access_key: str = ""
     s3_secret_key: str = ""
     s3_region: str = "us-east-1"
+
+    @property
+    def fwdbwd_chunk_bytes(self) -> int:
+        """The forward_backward chunk size the tinker SDK is told to keep within: half the body
+        limit, as its chunk estimate leaves out the protobuf framing (a few bytes per field)."""
+        return self.max_body_bytes // 2
 
     @property
     def storage_dir(self) -> Path:
@@ -73,6 +82,7 @@ class PlatformConfig:
             op_time_limit_seconds=_number(env, "TREADLE_OP_TIME_LIMIT_SECONDS", 600.0),
             gap_timeout_seconds=_number(env, "TREADLE_GAP_TIMEOUT_SECONDS", 60.0),
             api_threads=int(_number(env, "TREADLE_API_THREADS", 256)),
+            max_body_bytes=_body_bytes(env, "TREADLE_MAX_BODY_BYTES", 8 * 1024 * 1024),
             debug_faults=env.get("TREADLE_DEBUG_FAULTS", "") == "1",
             device=env.get("TREADLE_DEVICE") or None,
             s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
@@ -100,6 +110,7 @@ class PlatformConfig:
             "TREADLE_OP_TIME_LIMIT_SECONDS": str(self.op_time_limit_seconds),
             "TREADLE_GAP_TIMEOUT_SECONDS": str(self.gap_timeout_seconds),
             "TREADLE_API_THREADS": str(self.api_threads),
+            "TREADLE_MAX_BODY_BYTES": str(self.max_body_bytes),
         }
         if self.debug_faults:
             env["TREADLE_DEBUG_FAULTS"] = "1"
@@ -129,3 +140,15 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"{name} must be a finite number of 0 or more, got {raw!r}")
     return value
+
+
+MIN_BODY_BYTES = 64 * 1024
+
+
+def _body_bytes(env: Mapping[str, str], name: str, default: int) -> int:
+    value = _number(env, name, default)
+    if value != int(value) or value < MIN_BODY_BYTES:
+        raise ValueError(
+            f"{name} must be a whole number of bytes, at least {MIN_BODY_BYTES}, got {env.get(name)!r}"
+        )
+    return int(value)

@@ -8,11 +8,13 @@ Imports nothing from the rest of Treadle.
 from __future__ import annotations
 
 __all__ = [
+    "AlreadyExistsError",
     "AuthenticationError",
     "ConflictError",
     "NotFoundError",
     "OperationCancelledError",
     "PermissionDeniedError",
+    "StateConflictError",
     "TimeLimitExceededError",
     "TreadleError",
     "UnavailableError",
@@ -69,6 +71,22 @@ class ConflictError(TreadleError):
     status = 400
     code = "conflict"
     category = "user"
+
+
+class StateConflictError(TreadleError):
+    """The request cannot be applied to the thing's current state (HTTP 409), e.g. revoking the
+    last operator key or disabling the operator's own tenant. Unlike `ConflictError` (a 400 for a
+    request that contradicts an earlier one), retrying after the state changed can succeed."""
+
+    status = 409
+    code = "state_conflict"
+    category = "user"
+
+
+class AlreadyExistsError(StateConflictError):
+    """The thing to create exists already (HTTP 409); nothing was created or changed."""
+
+    code = "already_exists"
 
 
 class UnavailableError(TreadleError):

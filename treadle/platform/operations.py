@@ -413,6 +413,7 @@ def fail_pending(
     *,
     code: str = "session_stopped",
     category: str = "user",
+    actor: str | None = None,
 ) -> list[str]:
     """Fail every pending operation of a stopped (or diverged) session, so no client waits on it
     forever. A worker finishing one of them concurrently finds it settled and drops its result.
@@ -431,6 +432,7 @@ def fail_pending(
             row.tenant_id,
             "OperationFailed",
             {"request_id": row.request_id, "seq_id": row.seq_id, "type": row.type, "error": error},
+            actor=actor,
         )
     if rows:
         conn.execute(

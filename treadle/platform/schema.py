@@ -13,14 +13,19 @@ metadata = sa.MetaData()
 
 NOW = sa.text("now()")
 
+# A disabled tenant's keys are refused (403) until the operator enables it again.
 tenants = sa.Table(
     "tenants",
     metadata,
     sa.Column("id", sa.Text, primary_key=True),
     sa.Column("name", sa.Text, nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("disabled_at", sa.DateTime(timezone=True)),
 )
 
+# An API key `tml-<public id>-<secret>`: only the SHA-256 of the whole key is stored. `created_by`
+# and `revoked_by` are key ids (None for a key seeded from TREADLE_ADMIN_KEY); `last_used_at` is
+# refreshed at most once a minute.
 api_keys = sa.Table(
     "api_keys",
     metadata,
@@ -28,9 +33,15 @@ api_keys = sa.Table(
     sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
     sa.Column("secret_hash", sa.Text, nullable=False),
     sa.Column("role", sa.Text, nullable=False),
+    sa.Column("name", sa.Text),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("created_by", sa.Text),
+    sa.Column("last_used_at", sa.DateTime(timezone=True)),
     sa.Column("revoked_at", sa.DateTime(timezone=True)),
+    sa.Column("revoked_by", sa.Text),
+    sa.CheckConstraint("role IN ('operator', 'admin', 'member')", name="ck_api_keys_role"),
     sa.Index("uq_api_keys_secret_hash", "secret_hash", unique=True),
+    sa.Index("ix_api_keys_tenant", "tenant_id"),
 )
 
 # A client session (Tinker `create_session`): groups the training and sampling sessions that

@@ -1,7 +1,10 @@
-"""Admission checks for training payloads, run by the API before anything is appended.
+"""Admission checks for training payloads, run by the API before anything is appended, and the
+limits every request is held to (docs/api.md, "Limits", lists them).
 
 The loss table says which `loss_fn_inputs` and `loss_fn_config` keys each loss takes; the checks
-name the datum and the field, and say how to fix it. The engine re-checks what it relies on.
+name the datum and the field, and say how to fix it. The limits are checked at the edge (the API's
+body reader, request schemas and protobuf decoder) before anything is allocated in proportion to
+what a request declares; the engine re-checks what it relies on.
 Imports nothing from api, gpu_worker or torch.
 """
 
@@ -14,7 +17,52 @@ from treadle.platform.catalog import BaseModelInfo
 from treadle.platform.errors import ValidationError
 from treadle.platform.losses import get_loss_spec, resolve_config
 
+# -- forward_backward (protobuf) -------------------------------------------------------------
 MAX_DATUMS = 4096
+# What client/config tells the tinker SDK: datums per forward_backward request (its own default).
+FWDBWD_MAX_CHUNK_LEN = 1024
+# Protobuf fields in one body, at every depth (a packed array counts one per byte). Bounds what
+# parsing allocates per byte received: an empty message costs the parser ~56 bytes.
+MAX_PROTO_FIELDS = 2**19
+# A loss_fn_inputs tensor: rank 1 or 2, at most this many values per token of its datum.
+MAX_TENSOR_RANK = 2
+MAX_VALUES_PER_TOKEN = 16
+MAX_LOSS_INPUTS = 16  # tensors per datum
+# Sparse tensors are stored dense, so a request may declare at most one tensor value per 4 bytes
+# of its body (what a dense body carries) plus this many.
+SPARSE_VALUE_ALLOWANCE = 65_536
+
+# -- JSON bodies -----------------------------------------------------------------------------
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other
+MAX_JSON_VALUES = 2**19
+MAX_INT_DIGITS = 20  # 2**64 - 1 has 20 digits
+
+# -- request fields --------------------------------------------------------------------------
+MAX_ID_LENGTH = 512  # ids, names, paths and base model names, in characters
+MAX_SEED = 2**64 - 1  # seeds (LoRA init, sampling) are unsigned 64-bit integers
+MAX_TAGS = 64
+MAX_TAG_LENGTH = 256
+MAX_METADATA_KEYS = 64
+MAX_METADATA_DEPTH = 4
+MAX_METADATA_BYTES = 16_384  # as compact JSON
+
+# -- sampling --------------------------------------------------------------------------------
+MAX_NUM_SAMPLES = 128
+# Sampled tokens per request (num_samples x max_tokens): what one request may make a worker hold.
+MAX_SAMPLE_TOKENS = 2**18
+# Temperature 0 is greedy. The worker divides float32 logits by a positive temperature: a tiny one
+# overflows them to infinity and the probabilities to NaN (1e-40 fails); below MIN_TEMPERATURE
+# sampling is greedy in all but name, and above MAX_TEMPERATURE it is uniform noise.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+# top_p in [MIN_TOP_P, 1]. The worker compares in float32, where a top_p below ~7e-46 is 0 and
+# drops every token (the 500s a top_p of 1e-300 caused); any top_p at or below 1/vocabulary keeps
+# only the likeliest token, and 1e-6 is below that for every vocabulary up to a million tokens.
+MIN_TOP_P = 1e-6
+MAX_TOP_K = 2**31 - 1  # -1 (or 0): no limit
+MAX_STOP = 64  # stop strings or stop token ids
+MAX_STOP_LENGTH = 256  # characters per stop string
+MAX_TOKEN_ID = 2**31 - 1
 
 
 def validate_forward_backward(payload: dict[str, Any], model: BaseModelInfo) -> None:

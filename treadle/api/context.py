@@ -1,0 +1,81 @@
+"""Request accessors: the app's services, the calling principal, the JSON body, query arguments.
+
+The route modules import these (never `app.py`); only the app factory imports the routes.
+Imports platform only; never torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery
+from flask import current_app, g, request
+from redis import Redis
+
+from treadle.api import body
+from treadle.platform import commands, notify, storage, tenants
+from treadle.platform.config import PlatformConfig
+from treadle.platform.errors import ValidationError
+
+# How long a client should wait after a dependency failed (the Retry-After header). The tinker
+# SDK's ordinary requests honour it (up to 60 s; tinker/_base_client.py _calculate_retry_timeout).
+RETRY_AFTER_SECONDS = 5
+
+
+@dataclass
+class Services:
+    """The API process's connections, built once in `create_app`; `close()` releases them.
+
+    `probe_db` and `probe_redis` serve /healthz only: small, with short timeouts, so a health
+    check answers within seconds even when the main pool is busy or a dependency hangs.
+    """
+
+    config: PlatformConfig
+    db: sa.Engine
+    celery: Celery
+    redis: Redis
+    store: storage.ObjectStore
+    notices: notify.NoticeHub
+    probe_db: sa.Engine
+    probe_redis: Redis
+
+    @property
+    def deps(self) -> commands.Deps:
+        """What the platform's commands need."""
+        return commands.Deps(db=self.db, celery=self.celery, redis=self.redis, config=self.config)
+
+    def close(self) -> None:
+        self.notices.close()
+        self.db.dispose()
+        self.probe_db.dispose()
+        self.redis.close()
+        self.probe_redis.close()
+
+
+def services() -> Services:
+    return current_app.extensions["treadle"]  # type: ignore[no-any-return]
+
+
+def principal() -> tenants.Principal:
+    return g.principal  # type: ignore[no-any-return]
+
+
+def json_body() -> Any:
+    """The request's JSON body (None when empty), read within the limits `body` enforces."""
+    return body.read_json(request)
+
+
+def int_arg(name: str, default: int, low: int, high: int) -> int:
+    """An integer query parameter within [low, high]; a 400 otherwise."""
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValidationError(f"query parameter {name} must be an integer, got {raw!r}") from None
+    if not low <= value <= high:
+        raise ValidationError(f"query parameter {name} must be between {low} and {high}")
+    return value

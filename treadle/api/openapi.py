@@ -1,0 +1,273 @@
+"""The OpenAPI 3.1 document of the HTTP API (`GET /api/v1/openapi.json`).
+
+Built from the app's URL map and one table, `ROUTES`, that says for every endpoint what it does
+and which request model it parses (the same pydantic models the views use), so the document's
+request schemas are the validation itself. A test checks that the URL map and the table name the
+same endpoints: a new route without an entry fails it. Protobuf bodies and results (the Tinker
+SDK's `forward_backward` request, its results and `asample`'s) are documented as binary.
+Imports platform only; never torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from flask import Flask
+from pydantic import BaseModel
+
+from treadle.api import schemas, schemas_admin
+
+PROTOBUF = "application/x-protobuf"
+
+
+@dataclass(frozen=True)
+class RouteDoc:
+    summary: str
+    tag: str
+    body: type[BaseModel] | None = None  # the JSON request body the view parses
+    protobuf_body: bool = False
+    future: bool = False  # answers {request_id, model_id}; the result via retrieve_future
+    query: tuple[tuple[str, str, bool], ...] = ()  # (name, type, required)
+    public: bool = False  # no API key needed
+    errors: tuple[int, ...] = (400, 401, 404)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PAGING = (("limit", "integer", False), ("offset", "integer", False))
+
+ROUTES: dict[str, RouteDoc] = {
+    # -- client bootstrap and sessions (Tinker)
+    "sessions.healthz": RouteDoc(
+        "Health: PostgreSQL, Redis and the live workers (503 unless all are fine)",
+        "health", public=True, errors=(503,),
+    ),
+    "sessions.client_config": RouteDoc("Client transport settings for the tinker SDK", "client"),
+    "sessions.dynamic_config": RouteDoc("Client settings refreshed while it runs", "client"),
+    "sessions.server_capabilities": RouteDoc("The base models this server trains", "client"),
+    "sessions.create_session": RouteDoc(
+        "Open a client session (groups the models and samplers one client creates)", "sessions",
+        body=schemas.CreateSession,
+    ),
+    "sessions.session_heartbeat": RouteDoc(
+        "Keep a client session alive (410 once it is finished)", "sessions",
+        body=schemas.SessionRef, errors=(400, 401, 404, 410),
+    ),
+    "sessions.finish_session": RouteDoc(
+        "Finish a client session: every model it opened stops", "sessions",
+        body=schemas.FinishSession,
+    ),
+    "sessions.telemetry": RouteDoc("Client telemetry (accepted and dropped)", "client"),
+    # -- training (Tinker)
+    "training.create_model": RouteDoc(
+        "Create a training session: a base model plus a LoRA adapter", "training",
+        body=schemas.CreateModel, future=True, errors=(400, 401, 404, 503),
+    ),
+    "training.get_info": RouteDoc("A model's base model and LoRA settings", "training",
+                                  body=schemas.ModelRef),
+    "training.forward_backward": RouteDoc(
+        "Forward (and backward) pass with a loss; the body is a tinker_public "
+        "ForwardBackwardRequest", "training", protobuf_body=True, future=True,
+    ),
+    "training.optim_step": RouteDoc("Apply the accumulated gradients with Adam", "training",
+                                    body=schemas.OptimStep, future=True),
+    "checkpoints.save_weights": RouteDoc(
+        "save_state: adapter and optimizer state as tinker://<model>/weights/<name>",
+        "checkpoints", body=schemas.SaveWeights, future=True,
+    ),
+    "checkpoints.save_weights_for_sampler": RouteDoc(
+        "Weights for sampling: an ephemeral sampler, or tinker://<model>/sampler_weights/<name>",
+        "checkpoints", body=schemas.SaveWeightsForSampler, future=True,
+    ),
+    "checkpoints.load_weights": RouteDoc(
+        "Create a model from a checkpoint, or load one into a model", "checkpoints",
+        body=schemas.LoadWeights, future=True, errors=(400, 401, 404, 503),
+    ),
+    # -- sampling (Tinker)
+    "sampling.create_sampling_session": RouteDoc(
+        "A sampler on a base model or a sampler checkpoint", "sampling",
+        body=schemas.CreateSamplingSession, errors=(400, 401, 404, 503),
+    ),
+    "sampling.get_sampler": RouteDoc("A sampler's base model and checkpoint", "sampling"),
+    "sampling.asample": RouteDoc("Sample continuations of a prompt", "sampling",
+                                 body=schemas.Sample, future=True),
+    "futures.retrieve_future": RouteDoc(
+        "The result of an operation (long-polled; protobuf for forward_backward and sample "
+        "results; {type: try_again} while it runs)", "futures", body=schemas.RetrieveFuture,
+    ),
+    # -- the checkpoint registry (Tinker REST)
+    "checkpoints.training_runs": RouteDoc("The tenant's training runs", "registry",
+                                          query=PAGING),
+    "checkpoints.training_run": RouteDoc("One training run and its newest checkpoint",
+                                         "registry"),
+    "checkpoints.run_checkpoints": RouteDoc("A run's checkpoints", "registry"),
+    "checkpoints.all_checkpoints": RouteDoc(
+        "The tenant's checkpoints", "registry",
+        query=(("model_package_group", "string", False), *PAGING),
+    ),
+    "checkpoints.delete_checkpoint": RouteDoc("Delete a checkpoint and its files", "registry"),
+    "checkpoints.checkpoint_ttl": RouteDoc("Set or clear a checkpoint's time to live",
+                                           "registry", body=schemas.CheckpointTtl),
+    "checkpoints.weights_info": RouteDoc("A checkpoint's base model and LoRA settings",
+                                         "registry", body=schemas.WeightsInfo),
+    # -- Treadle's extensions
+    "treadle.base_models": RouteDoc("The base-model catalogue", "treadle"),
+    "treadle.tokenizer": RouteDoc("A base model's tokenizer files (base64)", "treadle",
+                                  query=(("base_model", "string", True),)),
+    "treadle.describe": RouteDoc("A session's status, LoRA settings and last applied seq",
+                                 "treadle"),
+    "treadle.session_events": RouteDoc("A session's event log", "treadle"),
+    "treadle.stop": RouteDoc("Stop a session (its running operation is cancelled)", "treadle"),
+    # -- tenants and keys (Treadle)
+    "admin.create_tenant": RouteDoc(
+        "Create a tenant and its first admin key, shown once (operator)", "admin",
+        body=schemas_admin.CreateTenant, errors=(400, 401, 403, 409),
+    ),
+    "admin.list_tenants": RouteDoc("Every tenant (operator)", "admin", errors=(401, 403)),
+    "admin.disable_tenant": RouteDoc(
+        "Disable a tenant: its keys are refused from the next request (operator)", "admin",
+        errors=(401, 403, 404, 409),
+    ),
+    "admin.enable_tenant": RouteDoc("Enable a disabled tenant again (operator)", "admin",
+                                    errors=(401, 403, 404)),
+    "admin.create_key": RouteDoc(
+        "Create a key, shown once (a tenant admin for its tenant; the operator for any)",
+        "admin", body=schemas_admin.CreateKey, errors=(400, 401, 403, 404),
+    ),
+    "admin.list_keys": RouteDoc("A tenant's keys, never their secrets", "admin",
+                                query=(("tenant_id", "string", False),), errors=(400, 401, 403)),
+    "admin.get_key": RouteDoc("One key", "admin"),
+    "admin.revoke_key": RouteDoc(
+        "Revoke a key: refused from its next request", "admin", errors=(400, 401, 403, 404, 409),
+    ),
+    "checkpoints.checkpoint_files": RouteDoc("A checkpoint's files", "registry",
+                                             query=(("path", "string", True),)),
+    "checkpoints.checkpoint_file": RouteDoc(
+        "One file of a checkpoint (binary)", "registry",
+        query=(("path", "string", True), ("name", "string", True)),
+    ),
+    "docs.openapi_document": RouteDoc("This document", "docs", public=True, errors=()),
+}  # fmt: skip
+
+_CONVERTER = re.compile(r"<(?:[a-z_]+:)?([a-z_]+)>")
+
+
+def undocumented(app: Flask) -> tuple[list[str], list[str]]:
+    """(endpoints the app serves that ROUTES does not describe, entries of ROUTES it lacks)."""
+    served = {rule.endpoint for rule in app.url_map.iter_rules()}
+    return sorted(served - set(ROUTES)), sorted(set(ROUTES) - served)
+
+
+def document(app: Flask, *, title: str = "Treadle", version: str = "1") -> dict[str, Any]:
+    """The OpenAPI document of every route of `app` that ROUTES describes."""
+    components: dict[str, Any] = {
+        "securitySchemes": {"apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}},
+        "schemas": {
+            "Error": {
+                "type": "object",
+                "required": ["error"],
+                "properties": {
+                    "error": {
+                        "type": "object",
+                        "required": ["code", "message"],
+                        "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
+                    }
+                },
+            },
+            "Future": {
+                "type": "object",
+                "required": ["request_id"],
+                "properties": {"request_id": {"type": "string"}, "model_id": {"type": "string"}},
+            },
+        },
+    }
+    paths: dict[str, dict[str, Any]] = {}
+    for rule in sorted(app.url_map.iter_rules(), key=lambda r: r.rule):
+        doc = ROUTES.get(rule.endpoint)
+        if doc is None:
+            continue
+        path = _CONVERTER.sub(r"{\1}", rule.rule)
+        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
+            paths.setdefault(path, {})[method.lower()] = _operation(
+                rule.endpoint, method, list(rule.arguments), doc, components
+            )
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": title,
+            "version": version,
+            "description": "The Tinker protocol's HTTP routes plus Treadle's extensions.",
+        },
+        "servers": [{"url": "/"}],
+        "security": [{"apiKey": []}],
+        "paths": paths,
+        "components": components,
+    }
+
+
+def _operation(
+    endpoint: str, method: str, arguments: list[str], doc: RouteDoc, components: dict[str, Any]
+) -> dict[str, Any]:
+    parameters = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in sorted(arguments)
+    ] + [
+        {"name": name, "in": "query", "required": required, "schema": {"type": kind}}
+        for name, kind, required in doc.query
+    ]
+    ok: dict[str, Any] = {"description": "OK"}
+    if doc.future:
+        ok["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/Future"}}}
+    elif endpoint == "futures.retrieve_future":
+        ok["content"] = {"application/json": {"schema": {"type": "object"}},
+                         PROTOBUF: {"schema": {"type": "string", "format": "binary"}}}  # fmt: skip
+    elif endpoint == "checkpoints.checkpoint_file":
+        ok["content"] = {"application/octet-stream": {"schema": {"type": "string",
+                                                                 "format": "binary"}}}  # fmt: skip
+    else:
+        ok["content"] = {"application/json": {"schema": {"type": "object"}}}
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    responses: dict[str, Any] = {"200": ok}
+    for status in sorted({*doc.errors, 503} if not doc.public else set(doc.errors)):
+        responses[str(status)] = {"description": _REASONS.get(status, "error"), "content": error}
+    operation: dict[str, Any] = {
+        "operationId": f"{endpoint.replace('.', '_')}_{method.lower()}",
+        "summary": doc.summary,
+        "tags": [doc.tag],
+        "parameters": parameters,
+        "responses": responses,
+    }
+    if doc.public:
+        operation["security"] = []
+    if doc.body is not None:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": _schema_ref(doc.body, components)}},
+        }
+    elif doc.protobuf_body:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {PROTOBUF: {"schema": {"type": "string", "format": "binary"}}},
+        }
+    return operation
+
+
+def _schema_ref(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name, definition in schema.pop("$defs", {}).items():
+        components["schemas"][name] = definition
+    components["schemas"][model.__name__] = schema
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+_REASONS = {
+    400: "the request is invalid: the message names the field and the rule",
+    401: "no key, or an unknown or revoked one",
+    403: "the key's role may not do this",
+    404: "not found (or another tenant's)",
+    409: "it exists already",
+    410: "finished",
+    413: "the body is too large",
+    503: "a dependency is unreachable, or no worker is alive: retry after Retry-After",
+}
