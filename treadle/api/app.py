@@ -29,7 +29,7 @@ from treadle.api import (
     routes_treadle,
 )
 from treadle.api.context import Services
-from treadle.platform import db, notify, storage
+from treadle.platform import db, notify, prices, quotas, storage
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import ValidationError
 from treadle.platform.routing import make_celery
@@ -63,8 +63,11 @@ def create_app(config: PlatformConfig) -> Flask:
             socket_timeout=CONNECT_TIMEOUT_SECONDS,
             retry=Retry(NoBackoff(), 0),
         ),
+        rate_limiter=quotas.RateLimiter(client),
     )
     app.extensions["treadle"] = svc
+    with svc.db.begin() as conn:  # prices of models that have none yet
+        prices.load_defaults(conn, config.prices_file or prices.DEFAULT_PRICES_FILE)
     auth.install(app, svc.db, config.admin_key)
 
     for module in (

@@ -15,7 +15,7 @@ from flask import current_app, g, request
 from redis import Redis
 
 from treadle.api import body
-from treadle.platform import commands, notify, storage, tenants
+from treadle.platform import commands, notify, quotas, storage, tenants
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import ValidationError
 
@@ -40,11 +40,18 @@ class Services:
     notices: notify.NoticeHub
     probe_db: sa.Engine
     probe_redis: Redis
+    rate_limiter: quotas.RateLimiter
 
     @property
     def deps(self) -> commands.Deps:
         """What the platform's commands need."""
-        return commands.Deps(db=self.db, celery=self.celery, redis=self.redis, config=self.config)
+        return commands.Deps(
+            db=self.db,
+            celery=self.celery,
+            redis=self.redis,
+            config=self.config,
+            rate_limiter=self.rate_limiter,
+        )
 
     def close(self) -> None:
         self.notices.close()

@@ -18,8 +18,8 @@ from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from treadle.api.context import RETRY_AFTER_SECONDS, Services
-from treadle.platform import operations, routing
-from treadle.platform.errors import TreadleError, UnavailableError
+from treadle.platform import metrics, operations, routing
+from treadle.platform.errors import LimitError, TreadleError, UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ def register(app: Flask, svc: Services) -> None:
         if isinstance(exc, UnavailableError):
             return unavailable(exc, svc.config.long_poll_seconds)
         _remember_refusal(svc, exc.status)
+        if isinstance(exc, LimitError):
+            return refused_by_quota(exc)
         return jsonify(error={"code": exc.code, "message": exc.message}), exc.status
 
     @app.errorhandler(HTTPException)
@@ -106,6 +108,17 @@ def unavailable(exc: UnavailableError, long_poll_seconds: float) -> Response:
     response = jsonify(error={"code": exc.code, "message": exc.message})
     response.status_code = exc.status
     response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
+def refused_by_quota(exc: LimitError) -> Response:
+    """A 402/413/429 whose error names the limit, its value, the current use and when it
+    resets; a 429 also says when to retry (Retry-After), which the SDK honours."""
+    metrics.count_rejection(str(exc.details["limit"]))
+    response = jsonify(error={"code": exc.code, "message": exc.message, **exc.details})
+    response.status_code = exc.status
+    if exc.retry_after is not None:
+        response.headers["Retry-After"] = str(exc.retry_after)
     return response
 
 

@@ -14,7 +14,7 @@ from treadle.api.admission import expect_seq, parse_training, submit
 from treadle.api.context import json_body, principal, services
 from treadle.api.schemas import CreateModel, ModelRef, OptimStep, parse
 from treadle.api.wire import decode_forward_backward
-from treadle.platform import catalog, commands, optypes, validation
+from treadle.platform import catalog, commands, optypes, prices, validation
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError
 
@@ -54,6 +54,9 @@ def create_model() -> Any:
         lora_config=lora_config,
         user_metadata=body.user_metadata,
         model_package_group=sessions_core.ensure_valid_name(body.model_package_group),
+        max_cost_micro_usd=None
+        if body.max_cost_usd is None
+        else prices.usd_to_micro(body.max_cost_usd, "max_cost_usd"),
     )
     assert opened is not None, "a training session's first operation is always admitted"
     return jsonify(request_id=opened.request_id, model_id=model_id)

@@ -149,6 +149,8 @@ class CreateModel(Body):
     lora_config: LoraConfig = Field(default_factory=lambda: LoraConfig())
     training_session_name: Id | None = None
     model_package_group: Id | None = None
+    # Treadle: the session refuses operations that could take its spend past this (402).
+    max_cost_usd: float | None = Field(None, ge=0, le=1e9)
 
 
 class ModelRef(Body):

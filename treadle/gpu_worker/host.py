@@ -30,7 +30,7 @@ import sqlalchemy as sa
 
 from treadle.gpu_worker import faults, handlers, recovery
 from treadle.gpu_worker.engine import Engine
-from treadle.platform import events, leases, notify, operations
+from treadle.platform import events, leases, metrics, notify, operations
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import (
@@ -378,13 +378,16 @@ class SessionHost:
                     usage=usage,
                     state=state,
                     also=outcome.also if outcome is not None else None,
+                    metering=self.config.metering,
                 )
         except leases.StaleLeaseError as exc:
             log.warning("refused a stale write: %s", exc)
             return False
-        if settled:
+        if settled.is_new:
             notify.publish_done(self.redis, op.request_id)
-        return settled
+        if settled.charge is not None:
+            metrics.count_charge(settled.charge)
+        return settled.is_new
 
     # --- samplers' snapshots and recovery points ----------------------------------------------
 

@@ -17,7 +17,7 @@ from celery.signals import worker_ready, worker_shutting_down
 
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
-from treadle.platform import checkpoints, db, leases, operations, routing, storage
+from treadle.platform import checkpoints, db, leases, notify, operations, routing, storage
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 
@@ -80,6 +80,19 @@ class LeaseKeeper(threading.Thread):
             mine = leases.sessions_leased_to(conn, me)
             stalled = operations.stale_pending(conn, mine, STALL_SECONDS)
             expired = checkpoints.reap_expired(conn)
+            idle = self.config.session_idle_seconds
+            failed = [
+                request_id
+                for session_id in (sessions_core.expire_idle(conn, idle) if idle > 0 else [])
+                for request_id in operations.fail_pending(
+                    conn,
+                    session_id,
+                    sessions_core.expired_message(session_id, idle),
+                    code="session_expired",
+                )
+            ]
+        for request_id in failed:
+            notify.publish_done(self.host.redis, request_id)
         self.interrupt_if_stopped()
         self.host.forget_all_but(set(mine))
         for checkpoint in expired:

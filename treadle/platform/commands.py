@@ -22,7 +22,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from treadle.platform import leases, notify, operations, routing
+from treadle.platform import leases, notify, operations, quotas, routing
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import UnavailableError
@@ -37,12 +37,19 @@ NO_WORKER_RETRY_SECONDS = 10
 
 @dataclass(frozen=True)
 class Deps:
-    """What the commands use: the database, the broker, the notice channel, the settings."""
+    """What the commands use: the database, the broker, the notice channel, the settings and
+    the request-rate limiter (None: no rate limits)."""
 
     db: sa.Engine
     celery: Celery
     redis: redis.Redis
     config: PlatformConfig
+    rate_limiter: quotas.RateLimiter | None = None
+
+
+def _requests_per_second(deps: Deps, principal: Principal) -> float | None:
+    with deps.db.connect() as conn:
+        return quotas.get_quota(conn, principal.tenant_id).requests_per_second
 
 
 def submit(
@@ -60,9 +67,17 @@ def submit(
     The request is in the log once this commits; a wake-up that cannot be sent (the broker is
     down) is only logged: the worker's lease keeper re-wakes operations left pending.
     """
+    if deps.config.metering and deps.rate_limiter is not None:
+        deps.rate_limiter.check(principal.tenant_id, _requests_per_second(deps, principal))
     with deps.db.begin() as conn:
         admission = operations.admit(
-            conn, principal, session_id, seq_id, payload, sampler_id=sampler_id
+            conn,
+            principal,
+            session_id,
+            seq_id,
+            payload,
+            sampler_id=sampler_id,
+            metering=deps.config.metering,
         )
         if admission.is_new and with_request is not None:
             with_request(conn)
@@ -95,6 +110,8 @@ def open_session(
     with deps.db.begin() as conn:
         sessions_core.get_client_session(conn, principal, client_session_id)
         require_live_worker(conn, deps.config)
+        if deps.config.metering and kind == "training":
+            quotas.check_session_slot(conn, principal.tenant_id)
         sessions_core.create_session(
             conn,
             principal,

@@ -41,6 +41,11 @@ class PlatformConfig:
     # A seq_id the worker never received (and that was not refused) is skipped after this long.
     gap_timeout_seconds: float = 60.0
     api_threads: int = 256
+    # Metering and quotas (the usage ledger, reservations, budgets); off only to measure them.
+    metering: bool = True
+    # A client session that has not heartbeated this long expires with its sessions (0: never).
+    session_idle_seconds: float = 1800.0
+    prices_file: Path | None = None  # default prices (TOML); None: the one shipped with Treadle
     # The largest request body the API reads (413 beyond it). forward_backward is the only big
     # one; the tinker SDK is told (client/config) to keep its chunks within half of it.
     max_body_bytes: int = 8 * 1024 * 1024
@@ -84,6 +89,11 @@ class PlatformConfig:
             api_threads=int(_number(env, "TREADLE_API_THREADS", 256)),
             max_body_bytes=_body_bytes(env, "TREADLE_MAX_BODY_BYTES", 8 * 1024 * 1024),
             debug_faults=env.get("TREADLE_DEBUG_FAULTS", "") == "1",
+            metering=env.get("TREADLE_METERING", "1") != "0",
+            session_idle_seconds=_number(env, "TREADLE_SESSION_IDLE_SECONDS", 1800.0),
+            prices_file=Path(env["TREADLE_PRICES_FILE"])
+            if env.get("TREADLE_PRICES_FILE")
+            else None,
             device=env.get("TREADLE_DEVICE") or None,
             s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
             s3_bucket=env.get("TREADLE_S3_BUCKET") or "treadle",

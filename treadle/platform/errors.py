@@ -7,13 +7,19 @@ Imports nothing from the rest of Treadle.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "AlreadyExistsError",
     "AuthenticationError",
     "ConflictError",
     "NotFoundError",
     "OperationCancelledError",
+    "LimitError",
     "PermissionDeniedError",
+    "QuotaExceededError",
+    "RateLimitedError",
+    "RequestTooLargeError",
     "StateConflictError",
     "TimeLimitExceededError",
     "TreadleError",
@@ -121,4 +127,74 @@ class TimeLimitExceededError(TreadleError, TimeoutError):
 
     status = 408
     code = "time_limit_exceeded"
+    category = "user"
+
+
+class LimitError(TreadleError):
+    """A request refused by a quota. `details` names the limit, its value, the current use and
+    when it resets (the API puts them in the error body beside code and message)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: str,
+        value: float,
+        current: float,
+        resets_at: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.details = {"limit": limit, "value": value, "current": current, "resets_at": resets_at}
+        self.retry_after = retry_after
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        details = self.details
+        return (
+            _limit_error,
+            (type(self), self.message, details["limit"], details["value"], details["current"],
+             details["resets_at"], self.retry_after),
+        )  # fmt: skip
+
+
+def _limit_error(
+    cls: type[LimitError],
+    message: str,
+    limit: str,
+    value: float,
+    current: float,
+    resets_at: str | None,
+    retry_after: int | None,
+) -> LimitError:
+    return cls(
+        message,
+        limit=limit,
+        value=value,
+        current=current,
+        resets_at=resets_at,
+        retry_after=retry_after,
+    )
+
+
+class QuotaExceededError(LimitError):
+    """A spend or token budget would be exceeded (HTTP 402)."""
+
+    status = 402
+    code = "quota_exceeded"
+    category = "user"
+
+
+class RateLimitedError(LimitError):
+    """Too many requests or sessions right now (HTTP 429); retry after `retry_after` seconds."""
+
+    status = 429
+    code = "rate_limited"
+    category = "user"
+
+
+class RequestTooLargeError(LimitError):
+    """One request asks for more tokens than the tenant's largest-request quota (HTTP 413)."""
+
+    status = 413
+    code = "request_too_large"
     category = "user"

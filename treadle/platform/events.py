@@ -25,6 +25,7 @@ EVENT_TYPES = (
     "SessionDiverged",
     "SessionFailed",
     "SessionStopped",
+    "SessionExpired",
     "OperationRequested",
     "OperationCompleted",
     "OperationFailed",

@@ -22,12 +22,19 @@ from typing import Any
 import sqlalchemy as sa
 
 from treadle.platform import events
+from treadle.platform import metering as metering_core
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
 from treadle.platform.leases import StaleLeaseError, hold
 from treadle.platform.optypes import OpStatus, OpType, Payload
 from treadle.platform.schema import operations, refused_seqs, sessions
-from treadle.platform.sessions import SessionStatus, get_session
+from treadle.platform.sessions import SessionStatus, expired_message, get_session
 from treadle.platform.tenants import Principal
+
+
+@dataclass(frozen=True)
+class Settlement:
+    is_new: bool  # False: it had been settled already (a duplicate), nothing was written
+    charge: metering_core.Charge | None = None  # what a completed operation was billed
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,7 @@ class OperationRow:
     result: Any
     error: Any
     state: Any = None  # state hashes recorded at completion, for a state-changing operation
+    actor: str | None = None  # the key that requested it
 
     @property
     def is_done(self) -> bool:
@@ -68,8 +76,11 @@ def admit(
     payload: Payload,
     *,
     sampler_id: str | None = None,
+    metering: bool = True,
 ) -> Admission:
-    """Append an operation request (or find the identical one already appended)."""
+    """Append an operation request (or find the identical one already appended). With
+    `metering`, its most possible cost is reserved in the same transaction (or it is refused
+    with a 402/413 and nothing is appended)."""
     assert payload.is_ordered == (sampler_id is None), (payload.TYPE, sampler_id)
     op_type = payload.TYPE
     if seq_id < 0:
@@ -90,6 +101,8 @@ def admit(
                 f"{existing.type} request; each operation needs the next unused seq_id"
             )
         return Admission(existing.request_id, session_id, is_new=False)
+    if session.status == SessionStatus.EXPIRED:
+        raise ValidationError(expired_message(session_id))
     if session.status in (SessionStatus.DIVERGED, SessionStatus.FAILED):
         what = "diverged from its log" if session.status == SessionStatus.DIVERGED else "failed"
         raise ValidationError(
@@ -137,8 +150,11 @@ def admit(
             status=OpStatus.PENDING,
             payload_hash=digest,
             request_position=event.position,
+            actor=principal.key_id,
         )
     )
+    if metering:
+        metering_core.reserve(conn, session, request_id, payload)
     return Admission(request_id, session_id, is_new=True)
 
 
@@ -208,8 +224,11 @@ def settle(
     usage: Mapping[str, Any],
     state: Mapping[str, str] | None = None,
     also: Callable[[sa.Connection], None] | None = None,
-) -> bool:
-    """Record an operation's outcome. Returns False when it had already been settled (duplicate).
+    metering: bool = True,
+) -> Settlement:
+    """Record an operation's outcome; `Settlement.is_new` is False when it had already been
+    settled (a duplicate). With `metering`, a completed operation gets its one usage row (its
+    `charge`), and any operation's reservation is released.
 
     Raises StaleLeaseError when this worker no longer holds the session's lease at `lease_epoch`.
     `state` holds the adapter's state hashes after a state-changing operation. `also` runs inside
@@ -218,7 +237,7 @@ def settle(
     session = hold(conn, op.session_id, worker_id, lease_epoch)
     current = get_operation(conn, None, op.request_id)
     if current.is_done:
-        return False
+        return Settlement(is_new=False)
     if op.sampler_id is None:
         # Only seq_ids refused at admission may lie between the last applied one and this.
         expected = session.last_applied_seq + 1
@@ -245,6 +264,7 @@ def settle(
             )
         )
     data = {"request_id": op.request_id, "seq_id": op.seq_id, "type": op.type, **usage}
+    charge = None
     if error is None:
         completed = {**data, "result": result}
         if state is not None:
@@ -252,10 +272,22 @@ def settle(
         events.append(conn, op.session_id, op.tenant_id, "OperationCompleted", completed)
         if also is not None:
             also(conn)
+        if metering:
+            charge = metering_core.charge(
+                conn,
+                request_id=op.request_id,
+                session=session,
+                sampler_id=op.sampler_id,
+                actor=op.actor,
+                op_type=op.type,
+                tokens=usage.get("tokens", {}),
+            )
     else:
         events.append(
             conn, op.session_id, op.tenant_id, "OperationFailed", {**data, "error": error}
         )
+        if metering:
+            metering_core.release(conn, [op.request_id])
     conn.execute(
         sa.update(operations)
         .where(operations.c.request_id == op.request_id)
@@ -267,7 +299,7 @@ def settle(
             completed_at=sa.func.now(),
         )
     )
-    return True
+    return Settlement(is_new=True, charge=charge)
 
 
 def _row(row: sa.Row[Any]) -> OperationRow:
@@ -283,6 +315,7 @@ def _row(row: sa.Row[Any]) -> OperationRow:
         result=row.result,
         error=row.error,
         state=row.state,
+        actor=row.actor,
     )
 
 
@@ -440,4 +473,5 @@ def fail_pending(
             .where(operations.c.request_id.in_([r.request_id for r in rows]))
             .values(status=OpStatus.FAILED, error=error, completed_at=sa.func.now())
         )
+        metering_core.release(conn, [r.request_id for r in rows])
     return [r.request_id for r in rows]

@@ -86,6 +86,10 @@ sessions = sa.Table(
     sa.Column("lease_epoch", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("last_applied_seq", sa.BigInteger, nullable=False, server_default="-1"),
     sa.Column("last_event_seq", sa.BigInteger, nullable=False, server_default="0"),
+    # Metering: the session's spend cap (max_cost_usd at creation), what it spent, what it holds.
+    sa.Column("max_cost_micro_usd", sa.BigInteger),
+    sa.Column("spent_micro_usd", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("reserved_micro_usd", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Index("ix_sessions_tenant", "tenant_id"),
@@ -138,6 +142,7 @@ operations = sa.Table(
     sa.Column("result", JSONB),
     sa.Column("error", JSONB),
     sa.Column("state", JSONB),  # state hashes recorded when a state-changing operation completed
+    sa.Column("actor", sa.Text),  # the key that requested it (billed on its usage row)
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("completed_at", sa.DateTime(timezone=True)),
     sa.Index(
@@ -218,4 +223,93 @@ refused_seqs = sa.Table(
     sa.Column("session_id", sa.Text, sa.ForeignKey("sessions.id"), primary_key=True),
     sa.Column("seq_id", sa.BigInteger, primary_key=True),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+)
+
+
+# --- metering (see migrations/versions/0005_metering.py) --------------------------------------
+
+# USD per million tokens, as integer micro-dollars, per base model and token class; a row takes
+# effect at `effective_from`, and the newest in effect at a moment is the price then.
+prices = sa.Table(
+    "prices",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column("base_model", sa.Text, nullable=False),
+    sa.Column("token_class", sa.Text, nullable=False),
+    sa.Column("micro_usd_per_million", sa.BigInteger, nullable=False),
+    sa.Column("effective_from", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("created_by", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.CheckConstraint("micro_usd_per_million >= 0", name="ck_prices_not_negative"),
+    sa.CheckConstraint(
+        "token_class IN ('prefill', 'sample', 'train')", name="ck_prices_token_class"
+    ),
+    sa.Index("ix_prices_model_class_from", "base_model", "token_class", "effective_from"),
+)
+
+# The ledger: one row per completed operation, written in its settlement's transaction.
+usage = sa.Table(
+    "usage",
+    metadata,
+    sa.Column("request_id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, nullable=False),
+    sa.Column("session_id", sa.Text, nullable=False),
+    sa.Column("sampler_id", sa.Text),
+    sa.Column("actor", sa.Text),
+    sa.Column("base_model", sa.Text, nullable=False),
+    sa.Column("op_type", sa.Text, nullable=False),
+    sa.Column("prefill_tokens", sa.BigInteger, nullable=False),
+    sa.Column("prefill_price", sa.BigInteger),  # micro-USD per million; NULL: unpriced
+    sa.Column("prefill_micro_usd", sa.BigInteger, nullable=False),
+    sa.Column("sample_tokens", sa.BigInteger, nullable=False),
+    sa.Column("sample_price", sa.BigInteger),  # micro-USD per million; NULL: unpriced
+    sa.Column("sample_micro_usd", sa.BigInteger, nullable=False),
+    sa.Column("train_tokens", sa.BigInteger, nullable=False),
+    sa.Column("train_price", sa.BigInteger),  # micro-USD per million; NULL: unpriced
+    sa.Column("train_micro_usd", sa.BigInteger, nullable=False),
+    sa.Column("cost_micro_usd", sa.BigInteger, nullable=False),
+    sa.Column("unpriced", sa.Boolean, nullable=False),  # a token class had no price: billed at 0
+    sa.Column("completed_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Index("ix_usage_tenant_completed", "tenant_id", "completed_at"),
+    sa.Index("ix_usage_session", "session_id"),
+)
+
+# What admitted operations may still cost, held until they settle, fail or are stopped.
+reservations = sa.Table(
+    "reservations",
+    metadata,
+    sa.Column("request_id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, nullable=False),
+    sa.Column("session_id", sa.Text, nullable=False),
+    sa.Column("month", sa.Date, nullable=False),
+    sa.Column("micro_usd", sa.BigInteger, nullable=False),
+    sa.Column("tokens", sa.BigInteger, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Index("ix_reservations_session", "session_id"),
+)
+
+# Per tenant and calendar month (UTC): settled and reserved spend; every admission locks it.
+tenant_months = sa.Table(
+    "tenant_months",
+    metadata,
+    sa.Column("tenant_id", sa.Text, primary_key=True),
+    sa.Column("month", sa.Date, primary_key=True),
+    sa.Column("settled_micro_usd", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("settled_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("reserved_micro_usd", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("reserved_tokens", sa.BigInteger, nullable=False, server_default="0"),
+)
+
+# Per tenant limits; a missing row or a NULL column is no limit.
+quotas = sa.Table(
+    "quotas",
+    metadata,
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), primary_key=True),
+    sa.Column("monthly_micro_usd", sa.BigInteger),
+    sa.Column("monthly_tokens", sa.BigInteger),
+    sa.Column("max_sessions", sa.Integer),
+    sa.Column("requests_per_second", sa.Float),
+    sa.Column("max_request_tokens", sa.BigInteger),
+    sa.Column("updated_by", sa.Text),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )

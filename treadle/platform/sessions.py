@@ -31,6 +31,8 @@ class SessionStatus(StrEnum):
     DIVERGED = "Diverged"
     # The session cannot be rebuilt (a file its recovery needs is gone): it stopped.
     FAILED = "Failed"
+    # Its client stopped heartbeating for the idle time: it stopped and freed what it held.
+    EXPIRED = "Expired"
 
 
 ACTIVE_STATUSES = (SessionStatus.CREATED, SessionStatus.RUNNING)
@@ -41,6 +43,7 @@ class ClientSessionStatus(StrEnum):
 
     RUNNING = "Running"
     FINISHED = "Finished"
+    EXPIRED = "Expired"  # its client stopped heartbeating
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class SessionRow:
     model_package_group: str | None = None
     user_metadata: Mapping[str, Any] | None = None
     updated_at: Any = None
+    max_cost_micro_usd: int | None = None  # the session's spend cap (max_cost_usd)
+    spent_micro_usd: int = 0
+    reserved_micro_usd: int = 0  # held by its admitted, unsettled operations
 
     @property
     def is_active(self) -> bool:
@@ -129,6 +135,7 @@ def create_session(
     lora_config: Mapping[str, Any] | None = None,
     user_metadata: Mapping[str, Any] | None = None,
     model_package_group: str | None = None,
+    max_cost_micro_usd: int | None = None,
 ) -> bool:
     """Create a session row and its SessionCreated event. Returns False if it already existed."""
     stmt = sa.dialects.postgresql.insert(sessions).values(
@@ -138,6 +145,7 @@ def create_session(
         kind=kind,
         name=name,
         base_model=base_model,
+        max_cost_micro_usd=max_cost_micro_usd,
         lora_config=dict(lora_config or {}),
         user_metadata=dict(user_metadata or {}),
         model_package_group=model_package_group,
@@ -160,6 +168,7 @@ def create_session(
             "name": name,
             "lora_config": dict(lora_config or {}),
             "client_session_id": client_session_id,
+            "max_cost_usd": None if max_cost_micro_usd is None else max_cost_micro_usd / 1e6,
         },
         actor=principal.key_id,
     )
@@ -197,6 +206,9 @@ def _session_row(row: sa.Row[Any]) -> SessionRow:
         model_package_group=row.model_package_group,
         user_metadata=row.user_metadata,
         updated_at=row.updated_at,
+        max_cost_micro_usd=row.max_cost_micro_usd,
+        spent_micro_usd=row.spent_micro_usd,
+        reserved_micro_usd=row.reserved_micro_usd,
     )
 
 
@@ -299,6 +311,61 @@ def halt_session(
     conn.execute(sa.update(sessions).where(sessions.c.id == session.id).values(status=status))
     event = "SessionDiverged" if status == SessionStatus.DIVERGED else "SessionFailed"
     events.append(conn, session.id, session.tenant_id, event, dict(data))
+
+
+def expire_idle(conn: sa.Connection, idle_seconds: float, limit: int = 50) -> list[str]:
+    """Expire the client sessions that have not heartbeated for `idle_seconds`, and their live
+    sessions (appends SessionExpired to each). Returns the expired sessions' ids; the caller
+    fails their pending operations (releasing what they hold)."""
+    idle = (
+        conn.execute(
+            sa.select(client_sessions.c.id)
+            .where(
+                client_sessions.c.status == ClientSessionStatus.RUNNING,
+                client_sessions.c.heartbeat_at
+                < sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, idle_seconds),
+            )
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        .scalars()
+        .all()
+    )
+    if not idle:
+        return []
+    conn.execute(
+        sa.update(client_sessions)
+        .where(client_sessions.c.id.in_(idle))
+        .values(status=ClientSessionStatus.EXPIRED)
+    )
+    expired = conn.execute(
+        sa.update(sessions)
+        .where(sessions.c.client_session_id.in_(idle), sessions.c.status.in_(ACTIVE_STATUSES))
+        .values(status=SessionStatus.EXPIRED)
+        .returning(sessions.c.id, sessions.c.tenant_id, sessions.c.client_session_id)
+    ).all()
+    for row in expired:
+        events.append(
+            conn,
+            row.id,
+            row.tenant_id,
+            "SessionExpired",
+            {
+                "client_session_id": row.client_session_id,
+                "idle_seconds": idle_seconds,
+                "reason": f"its client sent no heartbeat for {idle_seconds:g} s",
+            },
+        )
+    return [row.id for row in expired]
+
+
+def expired_message(session_id: str, idle_seconds: float | None = None) -> str:
+    idle = "" if idle_seconds is None else f" after {idle_seconds:g} s"
+    return (
+        f"model {session_id} expired{idle} without a heartbeat from its client (the process "
+        "that created it stopped); its adapter was freed. Resume from its last checkpoint: "
+        "ServiceClient.create_training_client_from_state_with_optimizer(path)"
+    )
 
 
 def finish_client_session(
