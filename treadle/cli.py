@@ -1,5 +1,6 @@
 """The `treadle` command: `up` (the whole embedded platform), `worker`, `migrate`, and the
-HTTP clients' verbs `checkpoints`, `tenants` and `keys` (TREADLE_BASE_URL, TREADLE_API_KEY).
+HTTP clients' verbs `checkpoints`, `tenants`, `keys` and (in `cli_billing`) `prices`, `quotas`,
+`usage`, `bill` (TREADLE_BASE_URL, TREADLE_API_KEY).
 
 This is an entry point: it builds the PlatformConfig from the environment once and passes it down.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from treadle import cli_billing
 from treadle.platform.config import PlatformConfig
 
 if TYPE_CHECKING:
@@ -51,9 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     download.add_argument("path")
     download.add_argument("dir", type=Path)
     _add_admin_parsers(sub)
+    cli_billing.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "checkpoints":
         return cmd_checkpoints(args)
+    if args.command in cli_billing.VERBS:
+        return cli_billing.run(args)
     if args.command in ("tenants", "keys"):
         return cmd_admin(args)
     logging.basicConfig(

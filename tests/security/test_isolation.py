@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -321,7 +322,56 @@ CASES: dict[str, Cases | str] = {
     "admin.revoke_key": lambda i: [  # never with A's own key: it would revoke it
         Case("POST", f"/api/v1/treadle/keys/{i['key']}/revoke", {}, own_not_404=False)
     ],
+    # Billing: prices are platform-wide; another tenant's quota, usage and bill are refused
+    # (403, like keys), its session's usage is a 404, and the Tinker routes show B's own only.
+    "billing.list_prices": NO_ID,
+    "billing.set_prices": lambda i: [
+        Case(
+            "POST",
+            "/api/v1/treadle/prices",
+            {"base_model": BASE_MODEL, "train": 1},
+            expect=403,
+            own_not_404=False,
+        )
+    ],
+    "billing.get_quota": lambda i: [
+        Case("GET", f"/api/v1/treadle/quotas/{i['tenant']}", expect=403)
+    ],
+    "billing.set_quota": lambda i: [
+        Case(
+            "PATCH",
+            f"/api/v1/treadle/quotas/{i['tenant']}",
+            {"max_sessions": 0},
+            expect=403,
+            own_not_404=False,
+        )
+    ],
+    "billing.usage_report": lambda i: [
+        Case("GET", f"/api/v1/treadle/usage?tenant={i['tenant']}", expect=403),
+        Case("GET", "/api/v1/treadle/usage?tenant=*", expect=403),
+        Case("GET", "/api/v1/treadle/usage?by=tenant,session,key", expect=200),
+    ],
+    "billing.bill": lambda i: [
+        Case("GET", f"/api/v1/treadle/bill?tenant={i['tenant']}", expect=403),
+        Case("GET", "/api/v1/treadle/bill", expect=200),
+    ],
+    "billing.session_usage": lambda i: [
+        Case("GET", f"/api/v1/treadle/sessions/{i['model']}/usage")
+    ],
+    "tinker_billing.usage_events": lambda i: [
+        Case("GET", f"/api/v1/billing/usage/events?{_this_hour()}", expect=200)
+    ],
+    "tinker_billing.checkpoint_storage": lambda i: [
+        Case("GET", "/api/v1/billing/usage/checkpoints/current", expect=200)
+    ],
 }
+
+
+def _this_hour() -> str:
+    """The Tinker billing window of the current UTC hour, as query parameters."""
+    start = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    end = start + timedelta(hours=1)
+    return f"starting_on={start:%Y-%m-%dT%H:00:00Z}&ending_before={end:%Y-%m-%dT%H:00:00Z}"
 
 
 def test_every_route_has_a_case(secure: SecureApp) -> None:

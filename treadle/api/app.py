@@ -20,11 +20,13 @@ from treadle.api import (
     auth,
     errors,
     routes_admin,
+    routes_billing,
     routes_checkpoints,
     routes_docs,
     routes_futures,
     routes_sampling,
     routes_sessions,
+    routes_tinker_billing,
     routes_training,
     routes_treadle,
 )
@@ -79,6 +81,8 @@ def create_app(config: PlatformConfig) -> Flask:
         routes_treadle,
         routes_docs,
         routes_admin,
+        routes_billing,
+        routes_tinker_billing,
     ):
         app.register_blueprint(module.bp)
 

@@ -17,7 +17,7 @@ from typing import Any
 from flask import Flask
 from pydantic import BaseModel
 
-from treadle.api import schemas, schemas_admin
+from treadle.api import schemas, schemas_admin, schemas_billing
 
 PROTOBUF = "application/x-protobuf"
 
@@ -146,6 +146,45 @@ ROUTES: dict[str, RouteDoc] = {
     "checkpoints.checkpoint_file": RouteDoc(
         "One file of a checkpoint (binary)", "registry",
         query=(("path", "string", True), ("name", "string", True)),
+    ),
+    # -- prices, quotas, usage and bills (Treadle)
+    "billing.list_prices": RouteDoc(
+        "Every price version (USD per million tokens) with its status", "billing",
+        query=(("base_model", "string", False),), errors=(400, 401),
+    ),
+    "billing.set_prices": RouteDoc(
+        "Set a base model's prices from a time on, never retroactively (operator)", "billing",
+        body=schemas_billing.SetPrices, errors=(400, 401, 403),
+    ),
+    "billing.get_quota": RouteDoc(
+        "A tenant's quota and this month's spend (its own keys; the operator any)", "billing",
+        errors=(400, 401, 403, 404),
+    ),
+    "billing.set_quota": RouteDoc(
+        "Change a tenant's quota, effective from its next request (operator)", "billing",
+        body=schemas_billing.SetQuota, errors=(400, 401, 403, 404),
+    ),
+    "billing.usage_report": RouteDoc(
+        "Usage over a time range grouped by tenant, session, key, base model, day or op type",
+        "billing", errors=(400, 401, 403, 404),
+        query=(("month", "string", False), ("since", "string", False),
+               ("until", "string", False), ("by", "string", False), ("tenant", "string", False)),
+    ),
+    "billing.bill": RouteDoc(
+        "A tenant's monthly bill: one line per base model x token class x unit price, the total",
+        "billing", errors=(400, 401, 403, 404),
+        query=(("month", "string", False), ("tenant", "string", False)),
+    ),
+    "billing.session_usage": RouteDoc("A session's usage, spend and spend cap so far", "billing"),
+    # -- billing (Tinker)
+    "tinker_billing.usage_events": RouteDoc(
+        "Hourly usage buckets: tokens by class with cost, storage in GB-hours", "billing",
+        query=(("starting_on", "string", True), ("ending_before", "string", True)),
+        errors=(400, 401),
+    ),
+    "tinker_billing.checkpoint_storage": RouteDoc(
+        "Live checkpoint storage now", "billing", query=(("project_id", "string", False),),
+        errors=(400, 401),
     ),
     "docs.openapi_document": RouteDoc("This document", "docs", public=True, errors=()),
 }  # fmt: skip

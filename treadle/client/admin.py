@@ -9,52 +9,16 @@ Imports nothing from the server side.
 
 from __future__ import annotations
 
-import os
 from typing import Any
-from urllib.parse import quote
 
-import httpx
-
-
-class AdminError(RuntimeError):
-    """The server refused a request; `status` is its HTTP status, the message says why."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
+from treadle.client.rest import RestClient, segment
 
 
-class AdminClient:
+class AdminClient(RestClient):
     """Example:
     admin = AdminClient("http://127.0.0.1:8080", os.environ["TREADLE_ADMIN_KEY"])
     acme_admin_key = admin.create_tenant("acme", name="Acme Corp")["api_key"]
     """
-
-    def __init__(
-        self, base_url: str, api_key: str, *, transport: httpx.BaseTransport | None = None
-    ) -> None:
-        self.http = httpx.Client(
-            base_url=base_url.rstrip("/") + "/api/v1/treadle",
-            headers={"X-API-Key": api_key},
-            timeout=60,
-            transport=transport,
-        )
-
-    @classmethod
-    def from_env(cls) -> AdminClient:
-        """From TREADLE_BASE_URL (default http://127.0.0.1:8080) and TREADLE_API_KEY (or the
-        TINKER_ equivalents)."""
-        base_url = os.environ.get("TREADLE_BASE_URL") or os.environ.get("TINKER_BASE_URL")
-        key = os.environ.get("TREADLE_API_KEY") or os.environ.get("TINKER_API_KEY")
-        if not key:
-            raise ValueError(
-                "set TREADLE_API_KEY to an admin key (the operator's for tenants), and "
-                "TREADLE_BASE_URL to the server"
-            )
-        return cls(base_url or "http://127.0.0.1:8080", key)
-
-    def close(self) -> None:
-        self.http.close()
 
     def create_tenant(self, tenant_id: str, name: str | None = None) -> dict[str, Any]:
         """Create a tenant (operator only).
@@ -63,7 +27,7 @@ class AdminClient:
             `{tenant, key, api_key}`: the tenant, its first admin key, and that key's text
             (shown once).
         Raises:
-            AdminError: 409 if the tenant exists, 403 for a key that is not the operator's.
+            TreadleApiError: 409 if the tenant exists, 403 for a key that is not the operator's.
         """
         body: dict[str, Any] = {"id": tenant_id}
         if name is not None:
@@ -76,11 +40,11 @@ class AdminClient:
 
     def disable_tenant(self, tenant_id: str) -> dict[str, Any]:
         """Refuse every key of the tenant from its next request on (operator only)."""
-        return self._ok(self.http.post(f"/tenants/{_segment(tenant_id)}/disable"))["tenant"]  # type: ignore[no-any-return]
+        return self._ok(self.http.post(f"/tenants/{segment(tenant_id)}/disable"))["tenant"]  # type: ignore[no-any-return]
 
     def enable_tenant(self, tenant_id: str) -> dict[str, Any]:
         """Accept a disabled tenant's keys again (operator only)."""
-        return self._ok(self.http.post(f"/tenants/{_segment(tenant_id)}/enable"))["tenant"]  # type: ignore[no-any-return]
+        return self._ok(self.http.post(f"/tenants/{segment(tenant_id)}/enable"))["tenant"]  # type: ignore[no-any-return]
 
     def create_key(
         self, tenant_id: str | None = None, role: str = "member", name: str | None = None
@@ -103,23 +67,8 @@ class AdminClient:
         return self._ok(self.http.get("/keys", params=params))["keys"]  # type: ignore[no-any-return]
 
     def get_key(self, key_id: str) -> dict[str, Any]:
-        return self._ok(self.http.get(f"/keys/{_segment(key_id)}"))["key"]  # type: ignore[no-any-return]
+        return self._ok(self.http.get(f"/keys/{segment(key_id)}"))["key"]  # type: ignore[no-any-return]
 
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         """Revoke a key: refused from its next request on. Idempotent."""
-        return self._ok(self.http.post(f"/keys/{_segment(key_id)}/revoke"))["key"]  # type: ignore[no-any-return]
-
-    @staticmethod
-    def _ok(response: httpx.Response) -> Any:
-        if response.status_code >= 400:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise AdminError(response.status_code, message)
-        return response.json()
-
-
-def _segment(value: str) -> str:
-    """An id as one URL path segment (a "/" in it is escaped, not a separator)."""
-    return quote(value, safe="")
+        return self._ok(self.http.post(f"/keys/{segment(key_id)}/revoke"))["key"]  # type: ignore[no-any-return]

@@ -1,13 +1,17 @@
 """ServiceClient: entry point of Treadle's SDK, a thin layer over the official tinker SDK.
 
-Reads TREADLE_BASE_URL / TREADLE_API_KEY (then the TINKER_ ones), lists base models and creates
-training sessions with a name, rank and alpha. Imports nothing from the server side.
+Reads TREADLE_BASE_URL / TREADLE_API_KEY (then the TINKER_ ones), lists base models, creates
+training sessions with a name, rank, alpha and spend cap, and reports usage.
+Imports nothing from the server side.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
+from datetime import datetime
+from decimal import Decimal
 from types import TracebackType
 from typing import Any
 
@@ -18,6 +22,7 @@ from tinker.lib.api_future_impl import _APIFuture
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 from tinker.lib.public_interfaces.training_client import fetch_training_info
 
+from treadle.client.billing import BillingClient, UsageReport
 from treadle.client.checkpoints import CheckpointsClient
 from treadle.client.sampling import SamplingClient
 from treadle.client.training import TrainingClient
@@ -73,6 +78,42 @@ class ServiceClient:
         """The checkpoint registry: list, get, delete, set_ttl, download."""
         return CheckpointsClient(self.base_url, self.api_key)
 
+    @property
+    def billing(self) -> BillingClient:
+        """Prices, quotas, usage and bills."""
+        return BillingClient(self.base_url, self.api_key)
+
+    def get_usage(
+        self,
+        *,
+        month: str | None = None,
+        since: datetime | str | None = None,
+        until: datetime | str | None = None,
+        by: Iterable[str] = (),
+        tenant: str | None = None,
+    ) -> UsageReport:
+        """Your tenant's usage over a time range: tokens by class and cost, grouped.
+
+        Args:
+            month: a UTC month "YYYY-MM"; or `since` / `until` (ISO 8601 or datetimes, UTC
+                unless they carry an offset). Default: the current month so far.
+            by: any of "tenant", "session", "key", "base_model", "day", "op_type".
+            tenant: another tenant (the operator's key only), or "*" for every tenant.
+        Returns:
+            a UsageReport: `groups` (each a Usage with its `key`) and `total`.
+        Raises:
+            treadle.client.rest.TreadleApiError: 400 for a bad range or group, 403 for another
+                tenant.
+        Example:
+            report = svc.get_usage(month="2026-11", by=["session"])
+            print(report.total.cost_usd, [g.key for g in report.groups])
+        """
+        client = self.billing
+        try:
+            return client.get_usage(month=month, since=since, until=until, by=by, tenant=tenant)
+        finally:
+            client.close()
+
     def list_base_models(self) -> list[str]:
         """Names of the base models this platform can train and sample."""
         response = httpx.get(
@@ -96,6 +137,7 @@ class ServiceClient:
         train_unembed: bool = True,
         user_metadata: dict[str, str] | None = None,
         model_package_group: str | None = None,
+        max_cost_usd: float | Decimal | str | None = None,
     ) -> TrainingClient:
         """Start a training session (base model + a fresh LoRA adapter) and wait until it is live.
 
@@ -106,6 +148,8 @@ class ServiceClient:
             seed: seeds the adapter's initialisation.
             model_package_group: the registry group each checkpoint save becomes a version of
                 (default: the session name, else the model id).
+            max_cost_usd: the session's spend cap in USD: an operation that could take its
+                spend past it is refused (402); `get_usage()` shows what is spent.
         Raises:
             tinker.RequestFailedError / tinker.BadRequestError: the server refused the session.
         Example:
@@ -138,6 +182,8 @@ class ServiceClient:
             body["user_metadata"] = user_metadata
         if model_package_group is not None:
             body["model_package_group"] = model_package_group
+        if max_cost_usd is not None:
+            body["max_cost_usd"] = float(max_cost_usd)
 
         async def create() -> tinker.TrainingClient:
             start = time.time()

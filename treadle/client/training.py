@@ -20,6 +20,7 @@ from tinker import types
 from tinker.lib.api_future_impl import _APIFuture
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
+from treadle.client.billing import BillingClient, SessionUsage
 from treadle.client.sampling import SamplingClient
 from treadle.client.tokenizer import fetch_tokenizer
 
@@ -164,6 +165,21 @@ class TrainingClient:
 
     def get_info(self) -> Any:
         return self._inner.get_info()
+
+    def get_usage(self) -> SessionUsage:
+        """This session's usage so far: tokens by class, their cost, and its spend cap.
+
+        Returns:
+            a SessionUsage (`usage.tokens`, `usage.cost_usd`, `max_cost_usd`, `spent_usd`,
+            `reserved_usd`: what its running operations may still cost).
+        Example:
+            print(tc.get_usage())  # sess-...:train:0: prefill 0, sample 0, train 3,072 tokens; ...
+        """
+        client = BillingClient(self._base_url, self._api_key)
+        try:
+            return client.session_usage(self.model_id)
+        finally:
+            client.close()
 
     def stop(self) -> None:
         """Stop the session: its worker frees the adapter. Idempotent."""

@@ -22,7 +22,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from treadle.platform import leases, notify, operations, quotas, routing
+from treadle.platform import leases, notify, operations, quotas, routing, schema
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import UnavailableError
@@ -108,10 +108,10 @@ def open_session(
     Raises UnavailableError (before creating anything) while no worker is alive.
     """
     with deps.db.begin() as conn:
-        sessions_core.get_client_session(conn, principal, client_session_id)
+        sessions_core.require_running_client_session(conn, principal, client_session_id)
         require_live_worker(conn, deps.config)
-        if deps.config.metering and kind == "training":
-            quotas.check_session_slot(conn, principal.tenant_id)
+        if deps.config.metering and kind == "training" and not _exists(conn, session_id):
+            quotas.check_session_slot(conn, principal.tenant_id)  # a resend takes no new slot
         sessions_core.create_session(
             conn,
             principal,
@@ -125,6 +125,11 @@ def open_session(
             with_session(conn)
     place(deps, session_id)
     return None if first is None else submit(deps, principal, session_id, 0, first)
+
+
+def _exists(conn: sa.Connection, session_id: str) -> bool:
+    return conn.execute(sa.select(schema.sessions.c.id).where(
+        schema.sessions.c.id == session_id)).first() is not None  # fmt: skip
 
 
 def require_live_worker(conn: sa.Connection, config: PlatformConfig) -> None:

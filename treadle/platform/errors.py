@@ -13,6 +13,7 @@ __all__ = [
     "AlreadyExistsError",
     "AuthenticationError",
     "ConflictError",
+    "GoneError",
     "NotFoundError",
     "OperationCancelledError",
     "LimitError",
@@ -68,6 +69,14 @@ class NotFoundError(TreadleError, LookupError):
 
     status = 404
     code = "not_found"
+    category = "user"
+
+
+class GoneError(TreadleError):
+    """The thing existed but is over (a finished or expired client session); make a new one."""
+
+    status = 410
+    code = "gone"
     category = "user"
 
 

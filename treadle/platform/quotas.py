@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, fields
+from decimal import Decimal
 from typing import Any
 
 import redis
@@ -44,7 +45,7 @@ class Quota:
         return {
             "monthly_usd": None
             if self.monthly_micro_usd is None
-            else self.monthly_micro_usd / MICRO,
+            else str(Decimal(self.monthly_micro_usd) / MICRO),
             "monthly_tokens": self.monthly_tokens,
             "max_sessions": self.max_sessions,
             "requests_per_second": self.requests_per_second,
@@ -62,10 +63,14 @@ def get_quota(conn: sa.Connection, tenant_id: str) -> Quota:
 def set_quota(conn: sa.Connection, principal: Principal, tenant_id: str, quota: Quota) -> Quota:
     """Replace a tenant's quota (operator only); it applies from the next request."""
     require_operator(principal, "setting quotas")
-    for name in ("monthly_micro_usd", "monthly_tokens", "max_sessions", "max_request_tokens"):
+    bounds = {"monthly_micro_usd": 2**62, "monthly_tokens": 2**62, "max_sessions": 2**31,
+              "max_request_tokens": 2**62}  # fmt: skip
+    for name, bound in bounds.items():
         value = getattr(quota, name)
-        if value is not None and not 0 <= value < 2**62:
-            raise ValidationError(f"{name} is {value}; give 0 or more (or leave it unset)")
+        if value is not None and not 0 <= value < bound:
+            raise ValidationError(
+                f"{name} is {value}; give 0 to {bound - 1} (or leave it unset: no limit)"
+            )
     rps = quota.requests_per_second
     if rps is not None and not (math.isfinite(rps) and 0 < rps <= 1e6):
         raise ValidationError(f"requests_per_second is {rps}; give a number in (0, 1e6]")

@@ -17,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from treadle.platform import events
-from treadle.platform.errors import NotFoundError, ValidationError
+from treadle.platform.errors import GoneError, NotFoundError, ValidationError
 from treadle.platform.schema import client_sessions, samplers, sessions
 from treadle.platform.tenants import Principal
 
@@ -108,6 +108,23 @@ def get_client_session(conn: sa.Connection, principal: Principal, session_id: st
     return str(row.status)
 
 
+def require_running_client_session(
+    conn: sa.Connection, principal: Principal, session_id: str
+) -> None:
+    """The caller's client session, which must still be running to open anything in it:
+    NotFoundError, or GoneError (410) for a finished or expired one."""
+    status = get_client_session(conn, principal, session_id)
+    if status == ClientSessionStatus.EXPIRED:
+        raise GoneError(
+            f"session {session_id} expired: its client sent no heartbeat for too long, and what "
+            "it opened was stopped; create a new ServiceClient (and resume from a checkpoint)"
+        )
+    if status != ClientSessionStatus.RUNNING:
+        raise GoneError(
+            f"session {session_id} is {status}; create a new ServiceClient to open models"
+        )
+
+
 def heartbeat_client_session(conn: sa.Connection, principal: Principal, session_id: str) -> str:
     status = conn.execute(
         sa.update(client_sessions)
@@ -168,7 +185,7 @@ def create_session(
             "name": name,
             "lora_config": dict(lora_config or {}),
             "client_session_id": client_session_id,
-            "max_cost_usd": None if max_cost_micro_usd is None else max_cost_micro_usd / 1e6,
+            "max_cost_micro_usd": max_cost_micro_usd,
         },
         actor=principal.key_id,
     )
