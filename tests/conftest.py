@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.databases import private_database
+from tests.secure_app import SecureApp, running_secure_app
 from treadle.platform import db
 from treadle.platform.embedded import EmbeddedServices, free_port
 
@@ -63,6 +64,13 @@ def engine(services: Services) -> Iterator[sa.Engine]:
     eng = db.connect(services.database_url, pool_size=5)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture(scope="session")
+def secure(services: Services) -> Iterator[SecureApp]:
+    """The API in process on a database of its own (see tests/secure_app.py)."""
+    with running_secure_app(services) as app:
+        yield app
 
 
 @pytest.fixture(scope="session")

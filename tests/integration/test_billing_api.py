@@ -18,7 +18,7 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.integration.wire_client import datum
-from tests.security.conftest import SecureApp, secure  # noqa: F401 (the fixture)
+from tests.secure_app import SecureApp
 from treadle.platform import auto_checkpoints, checkpoints, metering, tenants
 from treadle.platform.sessions import get_session
 
@@ -35,7 +35,7 @@ class Tenant:
 
 
 @pytest.fixture
-def app(secure: SecureApp) -> SecureApp:  # noqa: F811
+def app(secure: SecureApp) -> SecureApp:
     """The app, with at least 20 s left of this UTC hour (so of this day and month): what a test
     charges falls in the hour, day and month it then asks about."""
     secure.keep_worker_alive()

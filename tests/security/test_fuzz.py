@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from tests.security.conftest import SecureApp
+from tests.secure_app import SecureApp
 from treadle.api.openapi import ROUTES
 
 pytestmark = pytest.mark.integration

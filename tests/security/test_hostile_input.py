@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 from tinker.proto import tinker_public_pb2 as pb
 
-from tests.security.conftest import SecureApp
+from tests.secure_app import SecureApp
 from treadle.platform import validation
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.integration.wire_client import datum
-from tests.security.conftest import SecureApp
+from tests.secure_app import SecureApp
 from treadle.platform import checkpoints, tenants
 
 pytestmark = pytest.mark.integration

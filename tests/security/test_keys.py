@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import Platform
-from tests.security.conftest import SecureApp
+from tests.secure_app import SecureApp
 from treadle import cli
 from treadle.api.app import create_app
 from treadle.api.context import Services

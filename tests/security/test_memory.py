@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tinker.proto import tinker_public_pb2 as pb
 
-from tests.security.conftest import SecureApp
+from tests.secure_app import SecureApp
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.security.conftest import SecureApp
+from tests.secure_app import SecureApp
 from treadle.api import openapi
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from tests.security.conftest import SecureApp
+from tests.secure_app import SecureApp
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.security.conftest import SecureApp
+from tests.secure_app import SecureApp
 
 pytestmark = pytest.mark.integration
 

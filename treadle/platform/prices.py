@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import distinct_on
 
 from treadle.platform.errors import ValidationError
 from treadle.platform.schema import prices
@@ -131,38 +132,29 @@ def set_price(
 
 def in_effect(conn: sa.Connection, base_model: str) -> dict[str, int | None]:
     """Each token class's price (micro-USD per million) in effect now; None when unpriced."""
-    return {c: _at_now(conn, base_model, c) for c in TOKEN_CLASSES}
-
-
-def _at_now(conn: sa.Connection, base_model: str, token_class: str) -> int | None:
-    return conn.execute(
-        sa.select(prices.c.micro_usd_per_million)
-        .where(
-            prices.c.base_model == base_model,
-            prices.c.token_class == token_class,
-            prices.c.effective_from <= sa.func.now(),
-        )
-        .order_by(prices.c.effective_from.desc(), prices.c.id.desc())
-        .limit(1)
-    ).scalar_one_or_none()
+    rows = conn.execute(
+        sa.select(prices.c.token_class, prices.c.micro_usd_per_million)
+        .ext(distinct_on(prices.c.token_class))
+        .where(prices.c.base_model == base_model, prices.c.effective_from <= sa.func.now())
+        .order_by(prices.c.token_class, prices.c.effective_from.desc(), prices.c.id.desc())
+    ).all()
+    found = {r.token_class: r.micro_usd_per_million for r in rows}
+    return {c: found.get(c) for c in TOKEN_CLASSES}
 
 
 def highest_from_now(conn: sa.Connection, base_model: str) -> dict[str, int]:
     """Per class, the highest price in effect now or scheduled later: what an admitted operation
     is reserved at, so a price that takes effect before it completes cannot push it past a
     budget."""
-    out = {}
-    for token_class in TOKEN_CLASSES:
-        current = _at_now(conn, base_model, token_class) or 0
-        later = conn.execute(
-            sa.select(sa.func.max(prices.c.micro_usd_per_million)).where(
-                prices.c.base_model == base_model,
-                prices.c.token_class == token_class,
-                prices.c.effective_from > sa.func.now(),
-            )
-        ).scalar_one_or_none()
-        out[token_class] = max(current, later or 0)
-    return out
+    current = in_effect(conn, base_model)
+    later = dict(
+        conn.execute(
+            sa.select(prices.c.token_class, sa.func.max(prices.c.micro_usd_per_million))
+            .where(prices.c.base_model == base_model, prices.c.effective_from > sa.func.now())
+            .group_by(prices.c.token_class)
+        ).all()
+    )
+    return {c: max(current[c] or 0, later.get(c) or 0) for c in TOKEN_CLASSES}
 
 
 def list_prices(conn: sa.Connection, base_model: str | None = None) -> list[Price]:

@@ -87,6 +87,7 @@ def main() -> int:
             print(f"[demo] after:  Q: {probe}\n[demo]         A: {after}")
             saved = tc.save_state("demo-facts-final").result().path
             print(f"[demo] saved adapter + optimizer state as {saved}")
+            print(f"[demo] metered: {tc.get_usage()}")
         svc.close()
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     print(f"[demo] loss/token fell from {first:.3f} to {last:.3f}; platform stopped; "
