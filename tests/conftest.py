@@ -104,6 +104,8 @@ def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         "REDIS_URL": services.redis_url,
         "TREADLE_ADMIN_KEY": ADMIN_KEY,
         "TREADLE_LONG_POLL_SECONDS": "5",
+        # Recovery points every few steps, so forks start from one (tests/integration/test_lineage)
+        "TREADLE_AUTO_CHECKPOINT_STEPS": "3",
     }
     log = open(data_dir / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(

@@ -1,6 +1,7 @@
 """The `treadle` command: `up` (the whole embedded platform), `worker`, `migrate`, and the
-HTTP clients' verbs `checkpoints`, `tenants`, `keys` and (in `cli_billing`) `prices`, `quotas`,
-`usage`, `bill` (TREADLE_BASE_URL, TREADLE_API_KEY).
+HTTP clients' verbs `checkpoints`, `tenants`, `keys`, (in `cli_billing`) `prices`, `quotas`,
+`usage`, `bill`, (in `cli_audit`) `sessions`, `audit` and (in `cli_lineage`) `replay`, `fork`
+(TREADLE_BASE_URL, TREADLE_API_KEY).
 
 This is an entry point: it builds the PlatformConfig from the environment once and passes it down.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from treadle import cli_billing
+from treadle import cli_audit, cli_billing, cli_lineage
 from treadle.platform.config import PlatformConfig
 
 if TYPE_CHECKING:
@@ -54,11 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     download.add_argument("dir", type=Path)
     _add_admin_parsers(sub)
     cli_billing.add_parsers(sub)
+    cli_audit.add_parsers(sub)
+    cli_lineage.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "checkpoints":
         return cmd_checkpoints(args)
     if args.command in cli_billing.VERBS:
         return cli_billing.run(args)
+    if args.command in cli_audit.VERBS:
+        return cli_audit.run(args)
+    if args.command in cli_lineage.VERBS:
+        return cli_lineage.run(args)
     if args.command in ("tenants", "keys"):
         return cmd_admin(args)
     logging.basicConfig(

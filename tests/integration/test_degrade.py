@@ -66,7 +66,8 @@ class Sweep:
         }  # fmt: skip
         args = {"session_id": ids["finished_session"], "model_id": ids["stopped_model"],
                 "run_id": model, "checkpoint_id": "weights/nope", "sampler": ids["sampler"],
-                "filename": "nope", "key_id": "key-nope", "tenant_id": "degrade-nope"}  # fmt: skip
+                "filename": "nope", "key_id": "key-nope", "tenant_id": "degrade-nope",
+                "token": "nope"}  # fmt: skip
         for rule in sorted(self.app.url_map.iter_rules(), key=lambda r: r.rule):
             path = rule.rule
             for name in rule.arguments:

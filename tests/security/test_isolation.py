@@ -277,6 +277,33 @@ CASES: dict[str, Cases | str] = {
     "treadle.session_events": lambda i: [
         Case("GET", f"/api/v1/treadle/sessions/{i['model']}/events")
     ],
+    "treadle.session_timeline": lambda i: [
+        Case("GET", f"/api/v1/treadle/sessions/{i['model']}/timeline")
+    ],
+    "treadle.list_sessions": lambda i: [
+        Case("GET", "/api/v1/treadle/sessions", expect=200),
+        Case("GET", f"/api/v1/treadle/sessions?tenant={i['tenant']}", expect=403),
+        Case("GET", "/api/v1/treadle/sessions?tenant=*", expect=403),
+    ],
+    "lineage.open_fork": lambda i: [
+        Case(
+            "POST",
+            f"/api/v1/treadle/sessions/{i['model']}/fork",
+            {"session_id": i["b_session"], "model_seq_id": 7, "at_seq": 0},
+            own_not_404=False,
+        )  # fmt: skip
+    ],
+    "lineage.open_replay": lambda i: [
+        Case(
+            "POST",
+            f"/api/v1/treadle/sessions/{i['model']}/replay",
+            {"session_id": i["b_session"], "model_seq_id": 8},
+            own_not_404=False,
+        )  # fmt: skip
+    ],
+    "lineage.rebuild_report": lambda i: [
+        Case("GET", f"/api/v1/treadle/sessions/{i['model']}/rebuild")
+    ],
     "treadle.stop": lambda i: [
         Case("POST", f"/api/v1/treadle/sessions/{i['model']}/stop", {}, own_not_404=False)
     ],
@@ -364,6 +391,26 @@ CASES: dict[str, Cases | str] = {
     "tinker_billing.checkpoint_storage": lambda i: [
         Case("GET", "/api/v1/billing/usage/checkpoints/current", expect=200)
     ],
+    "tinker_sessions.list_sessions": lambda i: [
+        Case("GET", "/api/v1/sessions?access_scope=accessible", expect=200)
+    ],
+    "tinker_sessions.get_session": lambda i: [
+        Case("GET", f"/api/v1/sessions/{i['session']}?access_scope=accessible")
+    ],
+    "tinker_sessions.search_sessions": lambda i: [
+        Case(
+            "POST",
+            "/api/v1/sessions/search",
+            {"session_id": i["session"], "owner": {"type": "accessible"}},
+            expect=200,
+        ),
+    ],
+    "tinker_sessions.trace_export": lambda i: [
+        Case("GET", f"/api/v1/sessions/{i['session']}/trace_export")
+    ],
+    "tinker_sessions.download_trace": "a secret token, not an id (tests/integration/"
+    "test_tinker_sessions.py: an unknown or expired one is a 404)",
+    "tinker_sessions.audit": lambda i: [Case("GET", "/api/v1/audit", expect=200)],
 }
 
 

@@ -24,9 +24,11 @@ from treadle.api import (
     routes_checkpoints,
     routes_docs,
     routes_futures,
+    routes_lineage,
     routes_sampling,
     routes_sessions,
     routes_tinker_billing,
+    routes_tinker_sessions,
     routes_training,
     routes_treadle,
 )
@@ -37,6 +39,8 @@ from treadle.platform.errors import ValidationError
 from treadle.platform.routing import make_celery
 
 PUBLIC_PATHS = ("/healthz", "/api/v1/healthz", "/api/v1/openapi.json")
+# A trace download link carries its own secret token (routes_tinker_sessions.download_trace).
+PUBLIC_PREFIXES = ("/api/v1/treadle/traces/",)
 CONNECT_TIMEOUT_SECONDS = 3
 
 
@@ -79,10 +83,12 @@ def create_app(config: PlatformConfig) -> Flask:
         routes_sampling,
         routes_futures,
         routes_treadle,
+        routes_lineage,
         routes_docs,
         routes_admin,
         routes_billing,
         routes_tinker_billing,
+        routes_tinker_sessions,
     ):
         app.register_blueprint(module.bp)
 
@@ -93,7 +99,7 @@ def create_app(config: PlatformConfig) -> Flask:
             "\x00" in text for key, values in request.args.lists() for text in (key, *values)
         ):
             raise ValidationError("the URL contains a NUL character; remove it")
-        if request.path in PUBLIC_PATHS:
+        if request.path in PUBLIC_PATHS or request.path.startswith(PUBLIC_PREFIXES):
             return
         g.principal = auth.authenticate(request.headers.get("X-API-Key"))
 

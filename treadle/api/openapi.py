@@ -17,7 +17,7 @@ from typing import Any
 from flask import Flask
 from pydantic import BaseModel
 
-from treadle.api import schemas, schemas_admin, schemas_billing
+from treadle.api import schemas, schemas_admin, schemas_billing, schemas_lineage, schemas_sessions
 
 PROTOBUF = "application/x-protobuf"
 
@@ -117,8 +117,35 @@ ROUTES: dict[str, RouteDoc] = {
                                   query=(("base_model", "string", True),)),
     "treadle.describe": RouteDoc("A session's status, LoRA settings and last applied seq",
                                  "treadle"),
-    "treadle.session_events": RouteDoc("A session's event log", "treadle"),
+    "treadle.session_events": RouteDoc(
+        "A session's events after a position (a page; large payloads summarised unless full)",
+        "treadle", query=(("after", "integer", False), ("limit", "integer", False),
+                          ("type", "string", False), ("full", "boolean", False)),
+    ),
+    "treadle.session_timeline": RouteDoc(
+        "A session's operations (actor, queue wait, execution, tokens, outcome) and session "
+        "events, after a seq (a page)", "treadle",
+        query=(("after", "integer", False), ("limit", "integer", False)),
+    ),
+    "treadle.list_sessions": RouteDoc(
+        "Sessions, newest first, with owner, operations, tokens and cost (the operator: any "
+        "tenant, or '*')", "treadle", errors=(400, 401, 403, 404),
+        query=(("tenant", "string", False), ("status", "string", False),
+               ("kind", "string", False), ("since", "string", False), *PAGING),
+    ),
     "treadle.stop": RouteDoc("Stop a session (its running operation is cancelled)", "treadle"),
+    "lineage.open_replay": RouteDoc(
+        "Replay a session's log in a read-only, never billed sandbox, verifying every step",
+        "lineage", body=schemas_lineage.OpenReplay, future=True, errors=(400, 401, 404, 410, 503),
+    ),
+    "lineage.open_fork": RouteDoc(
+        "Fork a session: a new training session equal to it right after a seq_id", "lineage",
+        body=schemas_lineage.OpenFork, future=True, errors=(400, 401, 402, 404, 410, 429, 503),
+    ),
+    "lineage.rebuild_report": RouteDoc(
+        "How a replay's or fork's rebuild went: operations replayed, steps verified, the first "
+        "divergence", "lineage",
+    ),
     # -- tenants and keys (Treadle)
     "admin.create_tenant": RouteDoc(
         "Create a tenant and its first admin key, shown once (operator)", "admin",
@@ -185,6 +212,33 @@ ROUTES: dict[str, RouteDoc] = {
     "tinker_billing.checkpoint_storage": RouteDoc(
         "Live checkpoint storage now", "billing", query=(("project_id", "string", False),),
         errors=(400, 401),
+    ),
+    # -- client sessions, traces and the audit log (Tinker)
+    "tinker_sessions.list_sessions": RouteDoc(
+        "The caller's client session ids, newest first (access_scope: owned = its key's, "
+        "accessible = its tenant's)", "sessions", errors=(400, 401),
+        query=(*PAGING, ("access_scope", "string", False)),
+    ),
+    "tinker_sessions.get_session": RouteDoc(
+        "A client session's training runs, samplers and user_metadata", "sessions",
+        query=(("access_scope", "string", False),),
+    ),
+    "tinker_sessions.search_sessions": RouteDoc(
+        "Search the tenant's client sessions, newest first, by id, metadata, status, owner "
+        "(cursor paging)", "sessions", body=schemas_sessions.SearchSessions, errors=(400, 401),
+    ),
+    "tinker_sessions.trace_export": RouteDoc(
+        "A one-hour download link of a client session's trace (Chrome JSON trace events)",
+        "sessions",
+    ),
+    "tinker_sessions.download_trace": RouteDoc(
+        "Download a trace by the token of its link (no API key)", "sessions", public=True,
+        errors=(404,),
+    ),
+    "tinker_sessions.audit": RouteDoc(
+        "The tenant's audit log of one UTC day, at most 10,000 entries (an admin key)",
+        "audit", errors=(400, 401, 403),
+        query=(("event_type", "string", False), ("day", "string", False)),
     ),
     "docs.openapi_document": RouteDoc("This document", "docs", public=True, errors=()),
 }  # fmt: skip

@@ -96,7 +96,7 @@ def create_session() -> Any:
     body = parse(CreateSession, json_body())
     with services().db.begin() as conn:
         session_id = sessions_core.create_client_session(
-            conn, principal(), body.tags, body.user_metadata
+            conn, principal(), body.tags, body.user_metadata, body.display_name
         )
     return jsonify(session_id=session_id)
 

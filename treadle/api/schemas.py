@@ -121,6 +121,7 @@ class Body(BaseModel):
 class CreateSession(Body):
     tags: list[Tag] = Field(default_factory=list, max_length=MAX_TAGS)
     user_metadata: Metadata = Field(default_factory=dict)
+    display_name: Id | None = None
 
 
 class SessionRef(Body):

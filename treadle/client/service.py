@@ -22,8 +22,11 @@ from tinker.lib.api_future_impl import _APIFuture
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 from tinker.lib.public_interfaces.training_client import fetch_training_info
 
+from treadle.client.audit import AuditClient
 from treadle.client.billing import BillingClient, UsageReport
 from treadle.client.checkpoints import CheckpointsClient
+from treadle.client.lineage import Replay, ReplayReport
+from treadle.client.rest import segment
 from treadle.client.sampling import SamplingClient
 from treadle.client.training import TrainingClient
 
@@ -82,6 +85,11 @@ class ServiceClient:
     def billing(self) -> BillingClient:
         """Prices, quotas, usage and bills."""
         return BillingClient(self.base_url, self.api_key)
+
+    @property
+    def audit(self) -> AuditClient:
+        """The session listing, a session's events (paged or followed) and its timeline."""
+        return AuditClient(self.base_url, self.api_key)
 
     def get_usage(
         self,
@@ -185,12 +193,85 @@ class ServiceClient:
         if max_cost_usd is not None:
             body["max_cost_usd"] = float(max_cost_usd)
 
+        inner = self._open_model("/api/v1/create_model", body, model_seq_id)
+        return TrainingClient(
+            inner,
+            base_url=self.base_url,
+            api_key=self.api_key,
+            base_model=base_model,
+            name=training_session_name,
+        )
+
+    def fork_training_client(
+        self, model_id: str, at_seq: int, *, training_session_name: str | None = None
+    ) -> TrainingClient:
+        """A new training session equal to `model_id` right after its operation `at_seq`:
+        weights and optimizer state rebuilt from its log (from its newest recovery point at or
+        before `at_seq`, every replayed step checked against the hashes it recorded). The
+        source is untouched; the fork is yours (your tenant, your quota) and trains like any
+        other session.
+
+        Args:
+            model_id: the session to fork (one of your tenant's).
+            at_seq: the seq_id after which to fork (0 .. its last applied operation).
+            training_session_name: a label for the fork.
+        Returns:
+            the fork's TrainingClient, once its state is rebuilt.
+        Raises:
+            tinker.BadRequestError: an unknown session or a seq_id it never reached.
+            tinker.RequestFailedError: its log does not reproduce its state (no exact fork).
+        Example:
+            tc2 = svc.fork_training_client(tc.model_id, at_seq=40)
+            tc2.optim_step(types.AdamParams(learning_rate=1e-5)).result()
+        """
+        body: dict[str, Any] = {"at_seq": at_seq}
+        if training_session_name is not None:
+            body["training_session_name"] = training_session_name
+        return self._wrap(self._open_derived(model_id, "fork", body))
+
+    def replay(self, model_id: str, to_seq: int | None = None) -> Replay:
+        """Rebuild `model_id` from its log, up to `to_seq` (default: all it applied), in a new
+        read-only sandbox that is never billed, comparing the state after every state-changing
+        operation with the hashes recorded when it first ran.
+
+        Returns:
+            a Replay: its `report` (operations replayed, steps verified, the first divergence)
+            and a `training_client` on the sandbox, to sample from the model as it stood then.
+        Raises:
+            tinker.BadRequestError: an unknown session or a seq_id it never reached.
+        Example:
+            replay = svc.replay(tc.model_id, to_seq=40)
+            assert replay.report.matched, replay.report.first_divergence
+        """
+        body: dict[str, Any] = {} if to_seq is None else {"to_seq": to_seq}
+        client = self._wrap(self._open_derived(model_id, "replay", body))
+        response = httpx.get(
+            f"{self.base_url}/api/v1/treadle/sessions/{segment(client.model_id)}/rebuild",
+            headers={"X-API-Key": self.api_key},
+            timeout=60,
+        )
+        response.raise_for_status()
+        return Replay(ReplayReport.from_json(response.json()), client)
+
+    def _open_derived(
+        self, model_id: str, verb: str, body: dict[str, Any]
+    ) -> tinker.TrainingClient:
+        holder = self._inner.holder
+        model_seq_id = holder.get_training_client_id()
+        body = {**body, "session_id": holder.get_session_id(), "model_seq_id": model_seq_id}
+        path = f"/api/v1/treadle/sessions/{segment(model_id)}/{verb}"
+        return self._open_model(path, body, model_seq_id)
+
+    def _open_model(
+        self, path: str, body: dict[str, Any], model_seq_id: int
+    ) -> tinker.TrainingClient:
+        """POST a request that opens a model, wait for its future, return the tinker client."""
+        holder = self._inner.holder
+
         async def create() -> tinker.TrainingClient:
             start = time.time()
             with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
-                future = await client.post(
-                    "/api/v1/create_model", body=body, cast_to=types.UntypedAPIFuture
-                )
+                future = await client.post(path, body=body, cast_to=types.UntypedAPIFuture)
             response = await _APIFuture(
                 types.CreateModelResponse, holder, future, start, "CreateModel"
             ).result_async()
@@ -199,14 +280,7 @@ class ServiceClient:
                 holder, model_seq_id=model_seq_id, model_id=response.model_id, info=info
             )
 
-        inner = holder.run_coroutine_threadsafe(create()).result()
-        return TrainingClient(
-            inner,
-            base_url=self.base_url,
-            api_key=self.api_key,
-            base_model=base_model,
-            name=training_session_name,
-        )
+        return holder.run_coroutine_threadsafe(create()).result()
 
     def create_training_client_from_state(self, path: str) -> TrainingClient:
         """A new training session with a checkpoint's weights and a fresh optimizer."""

@@ -3,7 +3,9 @@
 A handler runs one operation's payload on the engine against `call.adapter_id` and returns its
 `Outcome` (the result the client sees, tokens by class, and what to register in the settlement's
 transaction). In replay (`call.live` false) it writes no files and registers nothing: the log
-already holds what it did. Imports platform and the engine; never api.
+already holds what it did. A `rebuild` (the first operation of a replay or a fork) reads another
+session's log, so the host passes it in as `call.rebuild`. Imports platform and the engine;
+never api.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from treadle.platform.optypes import (
     OptimStep,
     OpType,
     Payload,
+    Rebuild,
     Sample,
     SaveWeights,
     SaveWeightsForSampler,
@@ -66,6 +69,8 @@ class Call:
     seq_id: int
     live: bool
     interrupt: Interrupt | None = None
+    # Builds call.adapter_id from another session's log (live calls only); returns the report.
+    rebuild: Callable[[Call, Rebuild], dict[str, Any]] | None = None
 
 
 def create_model(call: Call, p: CreateModel) -> Outcome:
@@ -89,17 +94,36 @@ def load_weights(call: Call, p: LoadWeights) -> Outcome:
     outcome = Outcome({"model_id": call.session_id, "path": p.path})
     if call.live:
         # Keep a copy: recovery must not depend on a file the user can delete or let expire.
-        prefix = auto_checkpoints.storage_prefix(call.tenant_id, call.session_id, call.seq_id)
-        size = checkpoint_io.write_point(call.engine, call.store, call.adapter_id, prefix)
-        state = call.engine.state_hashes(call.adapter_id)
-        point = auto_checkpoints.AutoCheckpoint(
-            call.session_id, call.seq_id, auto_checkpoints.LOADED, prefix, state, size
-        )
-        outcome.point = point
-        outcome.also = lambda conn: auto_checkpoints.record(
-            conn, tenant_id=call.tenant_id, checkpoint=point
-        )
+        _keep_copy(call, outcome)
     return outcome
+
+
+def rebuild(call: Call, p: Rebuild) -> Outcome:
+    if call.rebuild is None:  # replaying the session's own log: its copy at seq 0 is gone
+        raise FileNotFoundError(
+            f"the copy of the state this {p.mode} was built from ({p.source_session_id} at seq "
+            f"{p.to_seq}) is gone"
+        )
+    report = call.rebuild(call, p)
+    outcome = Outcome({"model_id": call.session_id, "report": report})
+    # Its own copy: the replay or fork never needs the source's files again.
+    _keep_copy(call, outcome)
+    return outcome
+
+
+def _keep_copy(call: Call, outcome: Outcome) -> None:
+    """Write the adapter as it stands as a `loaded` recovery point at this seq_id, recorded in
+    the settlement's transaction."""
+    prefix = auto_checkpoints.storage_prefix(call.tenant_id, call.session_id, call.seq_id)
+    size = checkpoint_io.write_point(call.engine, call.store, call.adapter_id, prefix)
+    state = call.engine.state_hashes(call.adapter_id)
+    point = auto_checkpoints.AutoCheckpoint(
+        call.session_id, call.seq_id, auto_checkpoints.LOADED, prefix, state, size
+    )
+    outcome.point = point
+    outcome.also = lambda conn: auto_checkpoints.record(
+        conn, tenant_id=call.tenant_id, checkpoint=point
+    )
 
 
 def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
@@ -192,6 +216,7 @@ HANDLERS: dict[OpType, Callable[[Call, Any], Outcome]] = {
     OpType.SAVE_WEIGHTS: save_weights,
     OpType.SAVE_WEIGHTS_FOR_SAMPLER: save_weights_for_sampler,
     OpType.SAMPLE: sample,
+    OpType.REBUILD: rebuild,
 }
 assert set(HANDLERS) == set(OpType), "every operation type needs a handler"
 

@@ -38,8 +38,8 @@ from treadle.platform.errors import (
     TimeLimitExceededError,
     TreadleError,
 )
-from treadle.platform.optypes import OptimStep, Payload, Sample, parse_payload
-from treadle.platform.sessions import SessionRow, SessionStatus
+from treadle.platform.optypes import OptimStep, Payload, Rebuild, Sample, parse_payload
+from treadle.platform.sessions import ADAPTER_KINDS, SessionRow, SessionStatus
 from treadle.platform.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,15 @@ class _Running:
         self.deadline = time.monotonic() + limit
         self.cancelled: str | None = None
 
-    def check(self) -> None:
+    def check_stop(self) -> None:
+        """Raise if the worker is closing or the operation was cancelled (stopped)."""
         if self.host.closing.is_set():
             raise WorkerClosing
         if self.cancelled is not None:
             raise OperationCancelledError(self.cancelled)
+
+    def check(self) -> None:
+        self.check_stop()
         if time.monotonic() > self.deadline:
             raise TimeLimitExceededError(
                 f"{self.op.type} ran longer than the execution time limit of {self.limit:g} s "
@@ -210,7 +214,7 @@ class SessionHost:
 
     def _ensure_current(self, session: SessionRow) -> None:
         """Make the adapter in memory match the session's log at its current lease."""
-        if session.kind != "training":
+        if session.kind not in ADAPTER_KINDS:
             return
         held = self._held.get(session.id)
         if (
@@ -288,6 +292,9 @@ class SessionHost:
             raise
         if not (settled and error is None):
             self._discard(session.id)  # its effect, if any, is not in the log
+            if settled and isinstance(payload, Rebuild):  # a replay or fork that never began
+                assert error is not None
+                self._halt(session.id, recovery.Unrecoverable(error["message"]))
             return
         held = self._held.get(session.id)
         if held is None:
@@ -323,7 +330,15 @@ class SessionHost:
             adapter_id=session.id,
             seq_id=op.seq_id,
             live=True,
+            rebuild=self._rebuild_from_source,
         )
+
+    def _rebuild_from_source(self, call: handlers.Call, p: Rebuild) -> dict[str, Any]:
+        run = self._running
+        return recovery.rebuild_from_source(
+            self.db, self.engine, self.store, p, adapter_id=call.adapter_id,
+            interrupt=None if run is None else run.check_stop,
+        )  # fmt: skip
 
     def _run(
         self, call: handlers.Call, payload: Payload, op: operations.OperationRow

@@ -14,14 +14,22 @@ import logging
 import time
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 
 from treadle.gpu_worker import checkpoint_io, handlers
 from treadle.gpu_worker.engine import Engine, Interrupt
 from treadle.platform import auto_checkpoints, events, operations
-from treadle.platform.errors import TreadleError
-from treadle.platform.optypes import OptimStep, SaveWeightsForSampler, parse_payload
+from treadle.platform import sessions as sessions_core
+from treadle.platform.errors import ConflictError, GoneError, TreadleError
+from treadle.platform.optypes import (
+    OptimStep,
+    Rebuild,
+    RebuildMode,
+    SaveWeightsForSampler,
+    parse_payload,
+)
 from treadle.platform.sessions import SessionRow
 from treadle.platform.storage import ObjectStore
 
@@ -35,6 +43,7 @@ class Diverged(Exception):
         super().__init__(f"seq {seq_id} ({what}): {part} hash {actual} != recorded {expected}")
         self.seq_id, self.what, self.part = seq_id, what, part
         self.expected, self.actual = expected, actual
+        self.replayed = self.verified = 0  # how far the replay got before it (set by rebuild)
 
 
 class Unrecoverable(Exception):
@@ -48,6 +57,8 @@ class Rebuilt:
     replayed: int
     optim_steps_since_point: int
     seconds: float
+    verified: int = 0  # replayed operations whose state matched the hashes first recorded
+    original_seconds: float = 0.0  # what the replayed operations took when they first ran
 
 
 def rebuild(
@@ -60,15 +71,20 @@ def rebuild(
     up_to_seq: int,
     snapshots: Container[str] | None = None,
     interrupt: Interrupt | None = None,
+    from_start: bool = False,
 ) -> Rebuilt:
     """Build `adapter_id` as `session`'s adapter stood after `up_to_seq`, verified step by step.
 
     `snapshots` limits which samplers' snapshots the replay re-creates (None: all of them).
+    `from_start` replays every operation the log can replay (an audit's replay): it starts from
+    a copy of a loaded checkpoint only, never from an automatic one.
     Raises Diverged, Unrecoverable, or what the store or database raise (transient: retry).
     """
     started = time.monotonic()
     with db.connect() as conn:
         points = auto_checkpoints.newest_first(conn, session.id, at_or_before=up_to_seq)
+    if from_start:
+        points = [p for p in points if p.kind == auto_checkpoints.LOADED]
     if engine.has_adapter(adapter_id):
         engine.drop_adapter(adapter_id)
     point = _load_newest_point(engine, store, session, adapter_id, points)
@@ -78,7 +94,9 @@ def rebuild(
             conn, session.id, after_seq=after, up_to_seq=up_to_seq
         )
         requests = events.read_many(conn, [op.request_position for op in done])
-    replayed = steps = 0
+        took = operations.durations(conn, session.id, after_seq=after, up_to_seq=up_to_seq)
+    replayed = steps = verified = 0
+    original = 0.0
     for op in done:
         payload = parse_payload(op.type, requests[op.request_position].data["payload"])
         if not payload.is_replayed:
@@ -102,18 +120,26 @@ def rebuild(
             live=False,
         )
         try:
-            handlers.run(call, payload)
-        except FileNotFoundError as exc:
-            raise Unrecoverable(
-                f"replaying seq {op.seq_id} ({op.type}) needs files that are gone: {exc}"
-            ) from exc
-        except TreadleError as exc:  # it ran once; running it again must not fail
-            raise Diverged(op.seq_id, op.type, "outcome", "completed", exc.message) from exc
-        if payload.changes_state and op.state:
-            _verify(engine, adapter_id, op.seq_id, op.type, op.state)
-        replayed += 1
+            try:
+                handlers.run(call, payload)
+            except FileNotFoundError as exc:
+                raise Unrecoverable(
+                    f"replaying seq {op.seq_id} ({op.type}) needs files that are gone: {exc}"
+                ) from exc
+            except TreadleError as exc:  # it ran once; running it again must not fail
+                raise Diverged(op.seq_id, op.type, "outcome", "completed", exc.message) from exc
+            replayed += 1
+            if payload.changes_state and op.state:
+                _verify(engine, adapter_id, op.seq_id, op.type, op.state)
+                verified += 1
+        except Diverged as exc:
+            exc.replayed, exc.verified = replayed, verified
+            raise
         steps += isinstance(payload, OptimStep)
-    return Rebuilt(after, up_to_seq, replayed, steps, time.monotonic() - started)
+        original += took.get(op.seq_id, 0.0)
+    return Rebuilt(
+        after, up_to_seq, replayed, steps, time.monotonic() - started, verified, original
+    )
 
 
 def _load_newest_point(
@@ -177,3 +203,53 @@ def write_point(
     for old in stale:
         store.delete_prefix(old + "/")
     return point
+
+
+def rebuild_from_source(
+    db: sa.Engine,
+    engine: Engine,
+    store: ObjectStore,
+    p: Rebuild,
+    *,
+    adapter_id: str,
+    interrupt: Interrupt | None,
+) -> dict[str, Any]:
+    """Build a replay's or fork's adapter from its source's log, verified step by step, and
+    report how it went. A replay reports a divergence; a fork that cannot be built exactly
+    fails (ConflictError, GoneError) rather than start from weights its source never had."""
+    with db.connect() as conn:
+        source = sessions_core.get_session(conn, None, p.source_session_id)
+    is_replay = p.mode == RebuildMode.REPLAY
+    report: dict[str, Any] = {"mode": p.mode, "source_session_id": source.id, "to_seq": p.to_seq}
+    try:
+        rebuilt = rebuild(
+            db, engine, store, source, adapter_id=adapter_id, up_to_seq=p.to_seq,
+            snapshots=(),  # the source's samplers keep their own snapshots
+            interrupt=interrupt, from_start=is_replay,
+        )  # fmt: skip
+    except Unrecoverable as exc:
+        raise GoneError(
+            f"{source.id} cannot be rebuilt up to seq {p.to_seq}: {exc}; pick a seq_id after a "
+            "checkpoint whose files are still there"
+        ) from exc
+    except Diverged as exc:
+        if not is_replay:
+            raise ConflictError(
+                f"{source.id}'s log does not reproduce its state at seq {exc.seq_id} "
+                f"({exc.what}: {exc.part} hash {exc.actual} != recorded {exc.expected}), so no "
+                f"exact fork at seq {p.to_seq} exists; `treadle replay {source.id}` reports the "
+                "first divergence"
+            ) from exc
+        return {
+            **report, "matched": False, "replayed": exc.replayed, "verified": exc.verified,
+            "first_divergence": {
+                "seq_id": exc.seq_id, "operation": exc.what, "part": exc.part,
+                "recorded": exc.expected, "replayed": exc.actual,
+            },
+        }  # fmt: skip
+    return {
+        **report, "matched": True, "from_seq": rebuilt.from_seq, "replayed": rebuilt.replayed,
+        "verified": rebuilt.verified, "first_divergence": None,
+        "seconds": round(rebuilt.seconds, 4),
+        "original_seconds": round(rebuilt.original_seconds, 4),
+    }  # fmt: skip

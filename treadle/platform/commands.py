@@ -110,7 +110,11 @@ def open_session(
     with deps.db.begin() as conn:
         sessions_core.require_running_client_session(conn, principal, client_session_id)
         require_live_worker(conn, deps.config)
-        if deps.config.metering and kind == "training" and not _exists(conn, session_id):
+        if (
+            deps.config.metering
+            and kind in sessions_core.ADAPTER_KINDS
+            and not _exists(conn, session_id)
+        ):
             quotas.check_session_slot(conn, principal.tenant_id)  # a resend takes no new slot
         sessions_core.create_session(
             conn,

@@ -33,6 +33,8 @@ EVENT_TYPES = (
     "CheckpointSaved",
     "CheckpointDeleted",
     "AutoCheckpointSaved",
+    "SessionForked",
+    "ReplayRequested",
 )
 
 

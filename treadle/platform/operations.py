@@ -26,6 +26,7 @@ from treadle.platform import metering as metering_core
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
 from treadle.platform.leases import StaleLeaseError, hold
 from treadle.platform.optypes import OpStatus, OpType, Payload
+from treadle.platform.schema import events as event_rows
 from treadle.platform.schema import operations, refused_seqs, sessions
 from treadle.platform.sessions import SessionStatus, expired_message, get_session
 from treadle.platform.tenants import Principal
@@ -113,6 +114,13 @@ def admit(
         raise ValidationError(
             f"model {session_id} is {session.status}; create a new training client to continue"
         )
+    if session.is_replay and payload.changes_state and op_type != OpType.REBUILD:
+        raise ValidationError(
+            f"model {session_id} is a replay of {session.source_session_id} and is read-only to "
+            f"training calls ({op_type} changes its weights); sample from it, or fork the "
+            f"source to train from there: `treadle fork {session.source_session_id} --at-seq "
+            f"{session.source_seq}`"
+        )
     if sampler_id is None and seq_id <= session.last_applied_seq:
         raise ValidationError(
             f"seq_id {seq_id} of {session_id} is behind the last applied operation "
@@ -153,7 +161,7 @@ def admit(
             actor=principal.key_id,
         )
     )
-    if metering:
+    if metering and not session.is_replay:  # a replay is never billed
         metering_core.reserve(conn, session, request_id, payload)
     return Admission(request_id, session_id, is_new=True)
 
@@ -198,6 +206,25 @@ def completed_training_ops(
         .order_by(operations.c.seq_id)
     )
     return [_row(r) for r in rows]
+
+
+def durations(
+    conn: sa.Connection, session_id: str, *, after_seq: int, up_to_seq: int
+) -> dict[int, float]:
+    """Seconds each completed training operation with after_seq < seq_id <= up_to_seq took when
+    it ran (its OperationCompleted's duration), by seq_id."""
+    data = event_rows.c.data
+    seq = sa.cast(data["seq_id"].astext, sa.BigInteger)
+    rows = conn.execute(
+        sa.select(seq, data["duration_ms"].astext).where(
+            event_rows.c.session_id == session_id,
+            event_rows.c.type == "OperationCompleted",
+            data["type"].astext != OpType.SAMPLE,  # a sample's seq_id is its sampler's
+            seq > after_seq,
+            seq <= up_to_seq,
+        )
+    )
+    return {int(r[0]): float(r[1] or 0) / 1000 for r in rows}
 
 
 def snapshot_seq(conn: sa.Connection, session_id: str, sampler_id: str) -> int | None:
@@ -272,7 +299,7 @@ def settle(
         events.append(conn, op.session_id, op.tenant_id, "OperationCompleted", completed)
         if also is not None:
             also(conn)
-        if metering:
+        if metering and not session.is_replay:  # a replay is never billed
             charge = metering_core.charge(
                 conn,
                 request_id=op.request_id,

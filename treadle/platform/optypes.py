@@ -26,6 +26,7 @@ class OpType(StrEnum):
     SAVE_WEIGHTS = "save_weights"
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
     SAMPLE = "sample"
+    REBUILD = "rebuild"
 
 
 class OpStatus(StrEnum):
@@ -205,6 +206,31 @@ class Sample(Payload):
     params: SamplingParams
 
 
+class RebuildMode(StrEnum):
+    REPLAY = "replay"  # a read-only sandbox, verified from the source's first operation
+    FORK = "fork"  # a new training session, from the source's newest recovery point
+
+
+class Rebuild(Payload):
+    """The first operation of a replay or a fork: build the adapter as `source_session_id`'s
+    stood right after its seq `to_seq`, by a verified replay of its log."""
+
+    TYPE = OpType.REBUILD
+    source_session_id: str
+    to_seq: int
+    mode: RebuildMode
+    base_model: str
+    lora_config: LoraConfig
+
+    @property
+    def changes_state(self) -> bool:
+        return True
+
+    @property
+    def state_parts(self) -> tuple[str, ...]:
+        return ("weights", "grads", "optimizer")
+
+
 PAYLOADS: dict[OpType, type[Payload]] = {
     cls.TYPE: cls
     for cls in (
@@ -215,6 +241,7 @@ PAYLOADS: dict[OpType, type[Payload]] = {
         SaveWeights,
         SaveWeightsForSampler,
         Sample,
+        Rebuild,
     )
 }
 

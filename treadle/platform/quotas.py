@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from treadle.platform.errors import NotFoundError, RateLimitedError, ValidationError
 from treadle.platform.prices import MICRO
 from treadle.platform.schema import quotas, sessions, tenants
-from treadle.platform.sessions import SessionStatus
+from treadle.platform.sessions import ADAPTER_KINDS, SessionStatus
 from treadle.platform.tenants import Principal, require_operator
 
 log = logging.getLogger(__name__)
@@ -99,13 +99,13 @@ def check_session_slot(conn: sa.Connection, tenant_id: str) -> None:
     live = conn.execute(
         sa.select(sa.func.count()).where(
             sessions.c.tenant_id == tenant_id,
-            sessions.c.kind == "training",
+            sessions.c.kind.in_(ADAPTER_KINDS),  # replays hold an adapter too
             sessions.c.status.in_((SessionStatus.CREATED, SessionStatus.RUNNING)),
         )
     ).scalar_one()
     if live >= limit:
         raise RateLimitedError(
-            f"tenant {tenant_id} has {live} live training sessions, its limit; stop one (or let "
+            f"tenant {tenant_id} has {live} live training sessions (replays count), its limit; stop one (or let "
             "an idle one expire) before starting another",
             limit="max_sessions",
             value=limit,

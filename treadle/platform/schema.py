@@ -56,6 +56,9 @@ client_sessions = sa.Table(
     sa.Column("status", sa.Text, nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("created_by", sa.Text),  # the key that opened it: its owner in listings
+    sa.Column("display_name", sa.Text),  # the SDK's label for it (not unique)
+    sa.Index("ix_client_sessions_tenant_created", "tenant_id", "created_at"),
 )
 
 workers = sa.Table(
@@ -90,10 +93,15 @@ sessions = sa.Table(
     sa.Column("max_cost_micro_usd", sa.BigInteger),
     sa.Column("spent_micro_usd", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("reserved_micro_usd", sa.BigInteger, nullable=False, server_default="0"),
+    # A replay or fork: built from this session's log up to this seq_id (NULL: an ordinary one).
+    sa.Column("source_session_id", sa.Text),
+    sa.Column("source_seq", sa.BigInteger),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Index("ix_sessions_tenant", "tenant_id"),
     sa.Index("ix_sessions_worker", "worker_id"),
+    sa.Index("ix_sessions_source", "source_session_id"),
+    sa.Index("ix_sessions_tenant_created", "tenant_id", "created_at"),
 )
 
 events = sa.Table(
@@ -214,6 +222,18 @@ auto_checkpoints = sa.Table(
         unique=True,
         postgresql_where=sa.text("deleted_at IS NULL"),
     ),
+)
+
+# Download tokens of a client session's trace export (only a token's SHA-256 is stored).
+trace_exports = sa.Table(
+    "trace_exports",
+    metadata,
+    sa.Column("token_hash", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("client_session_id", sa.Text, sa.ForeignKey("client_sessions.id"), nullable=False),
+    sa.Column("created_by", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
 )
 
 # seq_ids whose request was refused at admission: the worker moves past them without waiting.

@@ -38,6 +38,16 @@ class SessionStatus(StrEnum):
 ACTIVE_STATUSES = (SessionStatus.CREATED, SessionStatus.RUNNING)
 
 
+class SessionKind(StrEnum):
+    TRAINING = "training"  # base model + LoRA adapter (a fork is one too, with a source)
+    SAMPLING = "sampling"  # a base-model sampler with no adapter
+    REPLAY = "replay"  # a read-only, never billed rebuild of another session's log
+
+
+# The kinds whose worker holds an adapter built from the session's log.
+ADAPTER_KINDS = (SessionKind.TRAINING, SessionKind.REPLAY)
+
+
 class ClientSessionStatus(StrEnum):
     """A client session (one SDK ServiceClient): running until its client finishes it."""
 
@@ -65,10 +75,16 @@ class SessionRow:
     max_cost_micro_usd: int | None = None  # the session's spend cap (max_cost_usd)
     spent_micro_usd: int = 0
     reserved_micro_usd: int = 0  # held by its admitted, unsettled operations
+    source_session_id: str | None = None  # a replay or fork: built from this session's log
+    source_seq: int | None = None  # ... as it stood right after this seq_id
 
     @property
     def is_active(self) -> bool:
         return self.status in ACTIVE_STATUSES
+
+    @property
+    def is_replay(self) -> bool:
+        return self.kind == SessionKind.REPLAY
 
 
 def training_session_id(client_session_id: str, model_seq_id: int) -> str:
@@ -81,7 +97,11 @@ def sampler_id(client_session_id: str, sampling_session_seq_id: int) -> str:
 
 
 def create_client_session(
-    conn: sa.Connection, principal: Principal, tags: list[str], user_metadata: Mapping[str, Any]
+    conn: sa.Connection,
+    principal: Principal,
+    tags: list[str],
+    user_metadata: Mapping[str, Any],
+    display_name: str | None = None,
 ) -> str:
     session_id = "sess-" + secrets.token_hex(8)
     conn.execute(
@@ -91,6 +111,8 @@ def create_client_session(
             tags=list(tags),
             user_metadata=dict(user_metadata),
             status=ClientSessionStatus.RUNNING,
+            created_by=principal.key_id,
+            display_name=display_name,
         )
     )
     return session_id
@@ -153,6 +175,8 @@ def create_session(
     user_metadata: Mapping[str, Any] | None = None,
     model_package_group: str | None = None,
     max_cost_micro_usd: int | None = None,
+    source_session_id: str | None = None,
+    source_seq: int | None = None,
 ) -> bool:
     """Create a session row and its SessionCreated event. Returns False if it already existed."""
     stmt = sa.dialects.postgresql.insert(sessions).values(
@@ -167,6 +191,8 @@ def create_session(
         user_metadata=dict(user_metadata or {}),
         model_package_group=model_package_group,
         status=SessionStatus.CREATED,
+        source_session_id=source_session_id,
+        source_seq=source_seq,
     )
     inserted = conn.execute(
         stmt.on_conflict_do_nothing(index_elements=["id"]).returning(sessions.c.id)
@@ -186,6 +212,8 @@ def create_session(
             "lora_config": dict(lora_config or {}),
             "client_session_id": client_session_id,
             "max_cost_micro_usd": max_cost_micro_usd,
+            "source_session_id": source_session_id,
+            "source_seq": source_seq,
         },
         actor=principal.key_id,
     )
@@ -226,6 +254,8 @@ def _session_row(row: sa.Row[Any]) -> SessionRow:
         max_cost_micro_usd=row.max_cost_micro_usd,
         spent_micro_usd=row.spent_micro_usd,
         reserved_micro_usd=row.reserved_micro_usd,
+        source_session_id=row.source_session_id,
+        source_seq=row.source_seq,
     )
 
 
