@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from treadle.cli_billing import FORMATS, _render
+from treadle.cli_billing import FORMATS, render
 
 VERBS = ("sessions", "audit")
 SESSION_COLUMNS = (
@@ -89,7 +89,7 @@ def _sessions(client: Any, args: argparse.Namespace) -> None:
     rows = client.list_sessions(
         tenant=args.tenant, status=args.status, kind=args.kind, since=args.since, limit=args.limit
     )
-    out = _render(args.format, {"sessions": rows}, SESSION_COLUMNS, rows)
+    out = render(args.format, {"sessions": rows}, SESSION_COLUMNS, rows)
     print(out, end="" if out.endswith("\n") else "\n")
 
 

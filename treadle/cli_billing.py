@@ -120,7 +120,7 @@ def _prices(client: Any, args: argparse.Namespace) -> str:
         when = None if args.effective_from is None else _when(args.effective_from)
         rows = client.set_prices(args.base_model, **classes, effective_from=when)
     columns = ["base_model", "token_class", "usd_per_million", "effective_from", "status"]
-    return _render(args.format, {"prices": rows}, columns, rows)
+    return render(args.format, {"prices": rows}, columns, rows)
 
 
 def _when(text: str) -> Any:
@@ -153,7 +153,7 @@ def _quotas(client: Any, args: argparse.Namespace) -> str:
     month = body.get("this_month", {})
     rows = [{"limit": k, "value": v} for k, v in body.items() if k != "this_month"]
     rows += [{"limit": f"this_month.{k}", "value": v} for k, v in month.items()]
-    return _render(args.format, body, ["limit", "value"], rows)
+    return render(args.format, body, ["limit", "value"], rows)
 
 
 def _number(name: str, value: str) -> Any:
@@ -189,7 +189,7 @@ def _usage(client: Any, args: argparse.Namespace) -> str:
         rows = [*rows, total] if keys else [total]
         title = f"usage of {body['tenant_id']} from {body['since']} until {body['until']}\n"
         return title + _table(columns, rows)
-    return _render(args.format, body, columns, rows)
+    return render(args.format, body, columns, rows)
 
 
 def _bill(client: Any, args: argparse.Namespace) -> str:
@@ -203,10 +203,11 @@ def _bill(client: Any, args: argparse.Namespace) -> str:
         title = f"bill of {body['tenant_id']} for {body['month']} (UTC)\n"
         note = "\nunpriced: no price was set; billed at 0\n" if body["unpriced"] else ""
         return title + _table(columns, rows) + note
-    return _render(args.format, body, columns, rows)
+    return render(args.format, body, columns, rows)
 
 
-def _render(fmt: str, body: Any, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+def render(fmt: str, body: Any, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+    """`body` as JSON, or `rows` as CSV or a table of `columns` (shared with `cli_audit`)."""
     if fmt == "json":
         return json.dumps(body, indent=2)
     if fmt == "csv":

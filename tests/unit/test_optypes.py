@@ -41,6 +41,10 @@ EXAMPLES = {
         prompt_logprobs=False,
         params=optypes.SamplingParams(max_tokens=4),
     ),  # fmt: skip
+    OpType.REBUILD: optypes.Rebuild(
+        source_session_id="sess-1:train:0", to_seq=7, mode=optypes.RebuildMode.FORK,
+        base_model="m", lora_config=LORA,
+    ),  # fmt: skip
 }
 
 
@@ -62,6 +66,7 @@ def test_state_changing_operations_record_what_they_change() -> None:
         OpType.LOAD_WEIGHTS,
         OpType.FORWARD_BACKWARD,
         OpType.OPTIM_STEP,
+        OpType.REBUILD,  # a replay's or fork's whole state, rebuilt from its source's log
     }
     assert all(EXAMPLES[t].state_parts for t in changing)
     assert EXAMPLES[OpType.FORWARD_BACKWARD].state_parts == ("grads",)
