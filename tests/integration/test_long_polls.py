@@ -234,5 +234,6 @@ def test_150_long_polls_of_one_tenant_cause_no_error_for_another(platform) -> No
         for thread in pollers:
             thread.join(30)
         http.close()
-    assert seen and set(seen) == {200}, seen
-    assert set(polled) == {200}, polled
+    # 408: a long-poll that ended before the result (routes_futures.STILL_RUNNING), not an error
+    assert seen and set(seen) <= {200, 408}, seen
+    assert set(polled) <= {200, 408}, polled

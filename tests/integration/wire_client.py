@@ -60,6 +60,8 @@ class WireClient:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             r = self.post("retrieve_future", {"request_id": request_id})
+            if r.status_code == 408:  # still running (routes_futures.STILL_RUNNING)
+                continue
             r.raise_for_status()
             if r.headers["content-type"].startswith("application/x-protobuf"):
                 try:

@@ -145,6 +145,11 @@ CASES: dict[str, Cases | str] = {
     "sessions.telemetry": NO_ID,
     "treadle.base_models": NO_ID,
     "treadle.tokenizer": NO_ID,
+    # Public tokenizer files of catalogue models, the same for every tenant (routes_hf).
+    **dict.fromkeys(
+        ("hf.model_info", "hf.model_info_at_revision", "hf.tree", "hf.tree_path", "hf.resolve"),
+        NO_ID,
+    ),
     "sessions.session_heartbeat": lambda i: [
         Case("POST", "/api/v1/session_heartbeat", {"session_id": i["session"]}, own_not_404=False)
     ],
@@ -411,6 +416,71 @@ CASES: dict[str, Cases | str] = {
     "tinker_sessions.download_trace": "a secret token, not an id (tests/integration/"
     "test_tinker_sessions.py: an unknown or expired one is a 404)",
     "tinker_sessions.audit": lambda i: [Case("GET", "/api/v1/audit", expect=200)],
+    # The rest of the Tinker surface (docs/tinker-compatibility.md).
+    "checkpoints.save_weights_external": lambda i: [
+        Case(
+            "POST",
+            "/api/v1/save_weights_external",
+            {"model_id": i["model"], "seq_id": 1, "path": "b-export"},
+            own_not_404=False,
+        )  # fmt: skip
+    ],
+    "checkpoint_sharing.publish": lambda i: [
+        Case(
+            "POST",
+            f"/api/v1/training_runs/{i['model']}/checkpoints/{i['checkpoint_id']}/publish",
+            own_not_404=False,
+        )  # fmt: skip
+    ],
+    "checkpoint_sharing.unpublish": lambda i: [
+        Case(
+            "DELETE",
+            f"/api/v1/training_runs/{i['model']}/checkpoints/{i['checkpoint_id']}/publish",
+            own_not_404=False,
+        )  # fmt: skip
+    ],
+    "checkpoint_sharing.copy_weights": lambda i: [
+        Case(
+            "POST",
+            "/api/v1/copy_weights",
+            {"source_path": i["checkpoint"], "destination_project_id": i["tenant"]},
+            own_not_404=False,
+        )  # fmt: skip
+    ],
+    "checkpoint_sharing.external_weights_urls": lambda i: [  # A's own: a 400, not external
+        Case(
+            "GET",
+            f"/api/v1/training_runs/{i['model']}/checkpoints/{i['checkpoint_id']}"
+            "/external_weights_urls",
+        )  # fmt: skip
+    ],
+    "checkpoint_sharing.download_file": "a secret token, not an id (tests/compat/"
+    "test_tinker_routes.py: an unknown one is a 404, an unpublished one's too)",
+    "tinker_futures.retrieve_futures": lambda i: [
+        Case(
+            "POST",
+            "/api/v1/retrieve_futures",
+            {"target": {"sampling_session_id": i["sampler"]}, "timeout": 0},
+        )  # fmt: skip
+    ],
+    "tinker_futures.cancel_future": lambda i: [
+        Case("POST", "/api/v1/cancel_future", {"request_id": i["request"]}, own_not_404=False)
+    ],
+    "tinker_extras.assign_session_project": lambda i: [
+        Case("PUT", f"/api/v1/sessions/{i['session']}/project", {"project_id": i["tenant"]})
+    ],
+    "tinker_extras.join_sampling_session": lambda i: [
+        Case(
+            "POST",
+            "/api/v1/join_sampling_session",
+            {"sampling_session_id": i["sampler"]},
+            own_not_404=False,
+        )  # fmt: skip
+    ],
+    "tinker_extras.api_key_me": "the presented key's own metadata: no id to name",
+    "tinker_extras.delete_api_key_me": "revokes the presented key itself: no id to name",
+    "tinker_extras.auth_token": "refused for every key (400): no id to name",
+    "tinker_extras.create_custom_loss": "refused for every key (400): no id to name",
 }
 
 

@@ -25,6 +25,7 @@ from engine_support import (
 )
 
 from treadle.gpu_worker.engine import Engine, EngineDatum, LoraSpec
+from treadle.platform.errors import ValidationError
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 SMALL_LORA = LoraSpec(rank=2, alpha=4.0, seed=11)  # scale 2: the delta is not negligible
@@ -194,3 +195,219 @@ def test_custom_loss_trains_down(engine: Engine) -> None:
         engine.optim_step(adapter, ADAM)
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False))
     assert losses[-1] < 0.8 * losses[0]
+
+
+# -- gspo: a sequence-level ratio, checked against the paper's gradient ---------------------------
+
+
+def gspo_reference(
+    lp_T: torch.Tensor,
+    q_T: torch.Tensor,
+    advantages_T: torch.Tensor,
+    mask_T: torch.Tensor,
+    lo: float,
+    hi: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO-token (arXiv 2507.18071, eq. 13-14; tinker-docs.thinkingmachines.ai/tinker/losses/gspo):
+    every token's ratio has the value of the sequence ratio s = exp(mean of lp - q over the
+    marked tokens), and its gradient is s * grad(lp_t). Returns the elementwise loss
+    -min(s·A_t, clip(s)·A_t) and a surrogate written from that gradient: a token contributes
+    -A_t · s · lp_t when the unclipped term is the minimum (s inside [lo, hi] or clipping would
+    raise the objective), nothing otherwise."""
+    s = torch.exp((lp_T.detach() - q_T)[mask_T != 0].mean())
+    clipped_s = s.clamp(lo, hi)
+    value_T = -torch.minimum(s * advantages_T, clipped_s * advantages_T)
+    unclipped_T = bool(lo <= s <= hi) | (s * advantages_T < clipped_s * advantages_T)
+    surrogate = -(advantages_T * s * unclipped_T * lp_T).sum()
+    return value_T, surrogate
+
+
+def gspo_datum(
+    tokens: Sequence[int],
+    targets: Sequence[int],
+    lp_T: torch.Tensor,
+    ratios: Sequence[float],
+    advantages: Sequence[float],
+    mask: Sequence[float],
+) -> EngineDatum:
+    """A gspo datum whose "sampler" logprobs put each token's own ratio exactly at `ratios`."""
+    q_T = lp_T.detach() - torch.log(torch.tensor(ratios))
+    return EngineDatum(
+        tuple(tokens),
+        {
+            "target_tokens": np.asarray(targets, np.int64),
+            "logprobs": q_T.numpy().astype(np.float32),
+            "advantages": np.asarray(advantages, np.float32),
+            "sequence_ratio_mask": np.asarray(mask, np.float32),
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    ("ratios", "advantages", "config"),
+    [
+        # s = sqrt(1.5 * 1.3) = 1.40 > 1.2: A > 0 clips, A < 0 does not; the unmarked first
+        # token's own ratio (5) never enters s, but its advantage still counts
+        ((5.0, 1.5, 1.3), (0.3, 1.0, -1.0), {}),
+        ((0.2, 1.1, 0.95), (1.0, 0.5, -2.0), {}),  # s = 1.02, inside
+        ((1.0, 0.6, 0.7), (1.0, -1.0, 1.0), {}),  # s = 0.65 < 0.8: A < 0 clips
+        (
+            (3.0, 1.01, 1.02),
+            (1.0, 1.0, -1.0),
+            {"clip_low_threshold": 0.99, "clip_high_threshold": 1.005},
+        ),
+    ],
+    ids=["above", "inside", "below", "narrow"],
+)
+def test_gspo_matches_the_sequence_ratio_reference(
+    engine: Engine,
+    cache_dir: Path,
+    ratios: Sequence[float],
+    advantages: Sequence[float],
+    config: dict[str, float],
+) -> None:
+    adapter, hand = prepared_adapter(engine, seed=21)
+    lp_T = reference_logprobs(cache_dir, TOKENS, TARGETS, hand)
+    mask = (0.0, 1.0, 1.0)
+    datum = gspo_datum(TOKENS, TARGETS, lp_T, ratios, advantages, mask)
+    x = {k: torch.from_numpy(v) for k, v in datum.loss_fn_inputs.items()}
+    lo = config.get("clip_low_threshold", 0.8)
+    hi = config.get("clip_high_threshold", 1.2)
+    value_T, surrogate = gspo_reference(
+        lp_T, x["logprobs"], x["advantages"], x["sequence_ratio_mask"], lo, hi
+    )
+
+    out = engine.forward_backward(adapter, [datum], "gspo", config)
+
+    assert out.metrics["loss:sum"] == pytest.approx(float(value_T.sum()), rel=1e-5, abs=1e-5)
+    np.testing.assert_allclose(out.outputs[0]["logprobs"], lp_T.detach().numpy(), **TOL)
+    np.testing.assert_allclose(out.outputs[0]["elementwise_loss"], value_T.detach(), **TOL)
+    assert_same_grads(engine.adapter_grads(adapter), hand.grads(surrogate))
+
+
+def test_gspo_ratio_is_per_datum_in_a_padded_batch(engine: Engine, cache_dir: Path) -> None:
+    """Two datums of different lengths in one padded pass: each keeps its own sequence ratio
+    (one above the clip range, one below), and padding enters neither mean."""
+    adapter, hand = prepared_adapter(engine, seed=22)
+    long_tokens, long_targets = (7, 8, 9, 10, 11), (8, 9, 10, 11, 12)
+    specs = [
+        (TOKENS, TARGETS, (1.5, 1.5, 1.5), (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)),
+        (
+            long_tokens,
+            long_targets,
+            (0.5, 0.6, 0.7, 9.0, 0.5),
+            (1.0, -1.0, 2.0, 1.0, -0.5),
+            (1, 1, 1, 0, 1),
+        ),
+    ]
+    data, values, surrogates = [], [], []
+    for tokens, targets, ratios, advantages, mask in specs:
+        lp_T = reference_logprobs(cache_dir, tokens, targets, hand)
+        datum = gspo_datum(tokens, targets, lp_T, ratios, advantages, mask)
+        x = {k: torch.from_numpy(v) for k, v in datum.loss_fn_inputs.items()}
+        value_T, surrogate = gspo_reference(
+            lp_T, x["logprobs"], x["advantages"], x["sequence_ratio_mask"], 0.8, 1.2
+        )
+        data.append(datum)
+        values.append(value_T)
+        surrogates.append(surrogate)
+
+    out = engine.forward_backward(adapter, data, "gspo")
+
+    for got, value_T in zip(out.outputs, values, strict=True):
+        np.testing.assert_allclose(got["elementwise_loss"], value_T.detach(), **TOL)
+    total = float(sum(v.sum() for v in values))
+    assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5, abs=1e-5)
+    assert_same_grads(engine.adapter_grads(adapter), hand.grads(surrogates[0] + surrogates[1]))
+
+
+def test_per_token_clip_thresholds_override_the_config(engine: Engine, cache_dir: Path) -> None:
+    """The tinker SDK types clip_low_threshold / clip_high_threshold as loss_fn_inputs: sent per
+    token, they replace loss_fn_config's values for that datum's tokens."""
+    adapter, hand = prepared_adapter(engine, seed=23)
+    lp_T = reference_logprobs(cache_dir, TOKENS, TARGETS, hand)
+    low_T, high_T = torch.tensor([0.9, 0.4, 0.8]), torch.tensor([1.6, 1.3, 1.02])
+    q_T = lp_T.detach() - torch.log(torch.tensor(RATIOS))
+    advantages_T = torch.tensor(ADVANTAGES)
+    ratio_T = torch.exp(lp_T - q_T)
+    # ppo, written out: token 0's ratio 1.5 is now inside [0.9, 1.6], token 1's 0.5 inside
+    # [0.4, 1.3], token 2's 1.05 above [0.8, 1.02]
+    expected_T = -torch.minimum(
+        ratio_T * advantages_T, torch.clamp(ratio_T, low_T, high_T) * advantages_T
+    )
+    inputs = {
+        "target_tokens": np.asarray(TARGETS, np.int64),
+        "logprobs": q_T.numpy().astype(np.float32),
+        "advantages": advantages_T.numpy(),
+        "clip_low_threshold": low_T.numpy(),
+        "clip_high_threshold": high_T.numpy(),
+    }
+
+    out = engine.forward_backward(adapter, [EngineDatum(TOKENS, inputs)], "ppo")
+
+    np.testing.assert_allclose(out.outputs[0]["elementwise_loss"], expected_T.detach(), **TOL)
+    np.testing.assert_allclose(out.outputs[0]["elementwise_loss"][:2], [-1.5, 0.5], **TOL)
+    assert_same_grads(engine.adapter_grads(adapter), hand.grads(expected_T.sum()))
+
+
+def _rl_datum(**extra: Sequence[float]) -> EngineDatum:
+    inputs = {
+        "target_tokens": np.asarray(TARGETS, np.int64),
+        "logprobs": np.full(3, -1.0, np.float32),
+        "advantages": np.ones(3, np.float32),
+    }
+    inputs.update({k: np.asarray(v, np.float32) for k, v in extra.items()})
+    return EngineDatum(TOKENS, inputs)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "datum", "message"),
+    [
+        ("stable_reinforce", _rl_datum(), "'stable_reinforce' is not served"),
+        ("custom", _rl_datum(), "'custom'"),
+        ("ppo", _rl_datum(sequence_ratio_mask=(1, 1, 1)), r"\['sequence_ratio_mask'\]"),
+        ("importance_sampling", _rl_datum(clip_low_threshold=(0.8,) * 3), "does not read"),
+        ("gspo", _rl_datum(), r"lacks \['sequence_ratio_mask'\]"),
+        ("gspo", _rl_datum(sequence_ratio_mask=(0, 0, 0)), "sequence_ratio_mask marks no token"),
+        ("ppo", _rl_datum(clip_high_threshold=(1.2, 11.0, 1.2)), "clip_high_threshold = 11.0"),
+        (
+            "cispo",
+            _rl_datum(clip_low_threshold=(0.8, 0.8, 1.0), clip_high_threshold=(1.2, 1.2, 1.0)),
+            "ok",
+        ),
+        (
+            "cispo",
+            _rl_datum(clip_low_threshold=(0.9, 0.9, 0.9), clip_high_threshold=(1.2, 1.0, 1.0)),
+            "ok",
+        ),
+        (
+            "gspo",
+            _rl_datum(sequence_ratio_mask=(1, 0, 0), clip_low_threshold=(1.0, 1.0, 0.7)),
+            "ok",
+        ),
+        ("ppo", _rl_datum(clip_low_threshold=(0.8, 1.5, 0.8)), "clip_low_threshold = 1.5"),
+    ],
+    ids=[
+        "stable-reinforce",
+        "custom",
+        "ppo-extra-input",
+        "is-clip-input",
+        "gspo-no-mask",
+        "gspo-empty-mask",
+        "clip-out-of-range",
+        "clip-equal",
+        "clip-ok",
+        "gspo-clip",
+        "clip-low-range",
+    ],
+)
+def test_loss_inputs_are_served_or_refused_by_name(
+    engine: Engine, loss_fn: str, datum: EngineDatum, message: str
+) -> None:
+    adapter = new_adapter(engine)
+    if message == "ok":
+        out = engine.forward_backward(adapter, [datum], loss_fn, forward_only=True)
+        assert np.isfinite(out.metrics["loss:sum"])
+        return
+    with pytest.raises(ValidationError, match=message):
+        engine.forward_backward(adapter, [datum], loss_fn, forward_only=True)

@@ -42,8 +42,11 @@ EXAMPLES = {
         params=optypes.SamplingParams(max_tokens=4),
     ),  # fmt: skip
     OpType.REBUILD: optypes.Rebuild(
-        source_session_id="sess-1:train:0", to_seq=7, mode=optypes.RebuildMode.FORK,
-        base_model="m", lora_config=LORA,
+        source_session_id="sess-1:train:0",
+        to_seq=7,
+        mode=optypes.RebuildMode.FORK,
+        base_model="m",
+        lora_config=LORA,
     ),  # fmt: skip
 }
 

@@ -21,13 +21,17 @@ from treadle.api import (
     errors,
     routes_admin,
     routes_billing,
+    routes_checkpoint_sharing,
     routes_checkpoints,
     routes_docs,
     routes_futures,
+    routes_hf,
     routes_lineage,
     routes_sampling,
     routes_sessions,
     routes_tinker_billing,
+    routes_tinker_extras,
+    routes_tinker_futures,
     routes_tinker_sessions,
     routes_training,
     routes_treadle,
@@ -39,8 +43,10 @@ from treadle.platform.errors import ValidationError
 from treadle.platform.routing import make_celery
 
 PUBLIC_PATHS = ("/healthz", "/api/v1/healthz", "/api/v1/openapi.json")
-# A trace download link carries its own secret token (routes_tinker_sessions.download_trace).
-PUBLIC_PREFIXES = ("/api/v1/treadle/traces/",)
+# A trace download link carries its own secret token (routes_tinker_sessions.download_trace);
+# /hf/ serves public tokenizer files to hub clients, which send no X-API-Key (routes_hf);
+# an external weights download link carries its own token too (routes_checkpoint_sharing).
+PUBLIC_PREFIXES = ("/api/v1/treadle/traces/", "/hf/", "/api/v1/treadle/downloads/")
 CONNECT_TIMEOUT_SECONDS = 3
 
 
@@ -89,6 +95,10 @@ def create_app(config: PlatformConfig) -> Flask:
         routes_billing,
         routes_tinker_billing,
         routes_tinker_sessions,
+        routes_hf,
+        routes_checkpoint_sharing,
+        routes_tinker_futures,
+        routes_tinker_extras,
     ):
         app.register_blueprint(module.bp)
 

@@ -17,7 +17,14 @@ from typing import Any
 from flask import Flask
 from pydantic import BaseModel
 
-from treadle.api import schemas, schemas_admin, schemas_billing, schemas_lineage, schemas_sessions
+from treadle.api import (
+    schemas,
+    schemas_admin,
+    schemas_billing,
+    schemas_lineage,
+    schemas_sessions,
+    schemas_tinker_extras,
+)
 
 PROTOBUF = "application/x-protobuf"
 
@@ -94,7 +101,8 @@ ROUTES: dict[str, RouteDoc] = {
                                  body=schemas.Sample, future=True),
     "futures.retrieve_future": RouteDoc(
         "The result of an operation (long-polled; protobuf for forward_backward and sample "
-        "results; {type: try_again} while it runs)", "futures", body=schemas.RetrieveFuture,
+        "results; 408 {type: try_again} while it runs)", "futures", body=schemas.RetrieveFuture,
+        errors=(400, 401, 404, 408),
     ),
     # -- the checkpoint registry (Tinker REST)
     "checkpoints.training_runs": RouteDoc("The tenant's training runs", "registry",
@@ -241,6 +249,72 @@ ROUTES: dict[str, RouteDoc] = {
         query=(("event_type", "string", False), ("day", "string", False)),
     ),
     "docs.openapi_document": RouteDoc("This document", "docs", public=True, errors=()),
+    # -- tokenizers for hub clients (HF_ENDPOINT=<treadle>/hf; no API key)
+    "hf.model_info": RouteDoc("Hub model info of a tokenizer repo", "hf", public=True,
+                              errors=(404,)),
+    "hf.model_info_at_revision": RouteDoc("Hub model info of a tokenizer repo at a revision",
+                                          "hf", public=True, errors=(404,)),
+    "hf.tree": RouteDoc("The files of a tokenizer repo", "hf", public=True, errors=(404,)),
+    "hf.tree_path": RouteDoc("A folder of a tokenizer repo (there are none: 404)", "hf",
+                             public=True, errors=(404,)),
+    "hf.resolve": RouteDoc(
+        "Download a tokenizer file (GET or HEAD; ETag, X-Repo-Commit, byte ranges)", "hf",
+        public=True, errors=(404,),
+    ),
+    # -- the rest of the Tinker surface (docs/tinker-compatibility.md)
+    "checkpoints.save_weights_external": RouteDoc(
+        "A PEFT adapter folder of the model as tinker://<model>/external_weights/<name>",
+        "checkpoints", body=schemas_tinker_extras.SaveWeightsExternal, future=True,
+    ),
+    "checkpoint_sharing.publish": RouteDoc(
+        "Publish a checkpoint: any tenant's keys may read it (idempotent; the owner's keys)",
+        "registry",
+    ),
+    "checkpoint_sharing.unpublish": RouteDoc(
+        "Unpublish a checkpoint: its own tenant's only again (idempotent; the owner's keys)",
+        "registry",
+    ),
+    "checkpoint_sharing.copy_weights": RouteDoc(
+        "Copy a checkpoint you may read into a new run of your tenant, with its own files "
+        "(X-Idempotency-Key: a resent copy answers the first)", "registry",
+        body=schemas_tinker_extras.CopyWeights, errors=(400, 401, 404, 410),
+    ),
+    "checkpoint_sharing.external_weights_urls": RouteDoc(
+        "One-hour download links, one per file, of an external weights checkpoint", "registry",
+    ),
+    "checkpoint_sharing.download_file": RouteDoc(
+        "Download a file by the token of its link (no API key)", "registry", public=True,
+        errors=(404,),
+    ),
+    "tinker_futures.retrieve_futures": RouteDoc(
+        "Which requests of a sampling-session client settled after a cursor (long-polled)",
+        "futures", body=schemas_tinker_extras.RetrieveFutures,
+    ),
+    "tinker_futures.cancel_future": RouteDoc(
+        "Cancel a pending request: it fails with 'cancelled' and a running one stops",
+        "futures", body=schemas_tinker_extras.CancelFuture,
+    ),
+    "tinker_extras.assign_session_project": RouteDoc(
+        "Put a client session in a project: the caller's tenant is its only one", "sessions",
+        body=schemas_tinker_extras.AssignProject,
+    ),
+    "tinker_extras.join_sampling_session": RouteDoc(
+        "The next clone number of a sampling session", "sampling",
+        body=schemas_tinker_extras.JoinSamplingSession,
+    ),
+    "tinker_extras.api_key_me": RouteDoc("The presented key's public metadata", "auth",
+                                         errors=(401,)),
+    "tinker_extras.delete_api_key_me": RouteDoc(
+        "Revoke the presented key (not an operator's)", "auth", errors=(401, 403),
+    ),
+    "tinker_extras.auth_token": RouteDoc(
+        "JWT exchange: refused (400), Treadle takes the tml- key itself", "auth",
+        errors=(400, 401),
+    ),
+    "tinker_extras.create_custom_loss": RouteDoc(
+        "Server-side custom losses: refused (400), use forward_backward_custom", "training",
+        errors=(400, 401),
+    ),
 }  # fmt: skip
 
 _CONVERTER = re.compile(r"<(?:[a-z_]+:)?([a-z_]+)>")
@@ -315,7 +389,11 @@ def _operation(
     elif endpoint == "futures.retrieve_future":
         ok["content"] = {"application/json": {"schema": {"type": "object"}},
                          PROTOBUF: {"schema": {"type": "string", "format": "binary"}}}  # fmt: skip
-    elif endpoint == "checkpoints.checkpoint_file":
+    elif endpoint in (
+        "checkpoints.checkpoint_file",
+        "hf.resolve",
+        "checkpoint_sharing.download_file",
+    ):
         ok["content"] = {"application/octet-stream": {"schema": {"type": "string",
                                                                  "format": "binary"}}}  # fmt: skip
     else:
@@ -359,6 +437,7 @@ _REASONS = {
     401: "no key, or an unknown or revoked one",
     403: "the key's role may not do this",
     404: "not found (or another tenant's)",
+    408: "still running after one long-poll: poll again (body {type: try_again})",
     409: "it exists already",
     410: "finished",
     413: "the body is too large",

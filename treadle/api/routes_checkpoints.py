@@ -1,6 +1,9 @@
 """Checkpoint routes: save_weights (save_state), save_weights_for_sampler (named, merged or
-ephemeral), load_weights (create-via-load and legacy load_state), and the Tinker REST registry
-(training_runs, checkpoints, weights_info). Imports platform only; never torch.
+ephemeral), save_weights_external (a PEFT adapter folder as tinker://<run>/external_weights/<name>),
+load_weights (create-via-load and legacy load_state), and the Tinker REST registry
+(training_runs, checkpoints, weights_info). Reading a checkpoint (loading it, its weights info,
+its files) works for the caller's tenant's and for published ones (platform.publishing); the
+registry's listings and changes are the owner's only. Imports platform only; never torch.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from treadle.api.schemas import (
     WeightsInfo,
     parse,
 )
-from treadle.platform import checkpoints, commands, optypes, storage
+from treadle.api.schemas_tinker_extras import SaveWeightsExternal
+from treadle.platform import checkpoints, commands, optypes, publishing, storage
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import NotFoundError, ValidationError
 
@@ -80,8 +84,16 @@ def save_weights() -> Any:
 @bp.post("/save_weights_for_sampler")
 def save_weights_for_sampler() -> Any:
     body = parse_training(SaveWeightsForSampler)
-    if body.kind not in (None, "snapshot"):
-        raise ValidationError(f"kind {body.kind!r} is not supported; use 'snapshot'")
+    if body.kind not in (None, "snapshot", "inflight"):
+        raise ValidationError(
+            f"kind {body.kind!r} is not a sampler kind; use 'snapshot' or 'inflight'"
+        )
+    inflight = body.kind == "inflight"
+    if inflight and body.path is not None:
+        raise ValidationError(
+            "an inflight sampler follows the session's live weights and saves no checkpoint: "
+            "omit path (or use kind='snapshot' to save named weights)"
+        )
     if body.path is not None:
         return _submit_save(
             body.model_id,
@@ -101,6 +113,9 @@ def save_weights_for_sampler() -> Any:
     with services().db.connect() as conn:
         session = sessions_core.get_session(conn, principal(), body.model_id)
     sampler = sessions_core.sampler_id(session.client_session_id, body.sampling_session_seq_id)
+    # An inflight sampler shares the session's one inflight snapshot, which every inflight save
+    # replaces: earlier inflight samplers adopt the newer weights, a new one starts on them.
+    snapshot = optypes.inflight_snapshot_id(session.id) if inflight else sampler
 
     def create_sampler(conn: sa.Connection) -> None:
         sessions_core.create_sampler(
@@ -110,28 +125,57 @@ def save_weights_for_sampler() -> Any:
             client_session_id=session.client_session_id,
             session_id=session.id,
             base_model=session.base_model,
-            snapshot_id=sampler,
+            snapshot_id=snapshot,
         )
 
     admission = submit(
         body.model_id,
         body.seq_id,
-        optypes.SaveWeightsForSampler(sampler_id=sampler),
+        optypes.SaveWeightsForSampler(
+            sampler_id=sampler, snapshot_id=snapshot if inflight else None
+        ),
         with_request=create_sampler,
     )
     return jsonify(request_id=admission.request_id, model_id=body.model_id)
 
 
+@bp.post("/save_weights_external")
+def save_weights_external() -> Any:
+    body = parse_training(SaveWeightsExternal)
+    if body.age_encryption_recipients is not None:
+        raise ValidationError(
+            "age_encryption_recipients is not supported: Treadle stores exported weights "
+            "unencrypted under your tenant's storage prefix; omit age_encryption_recipients and "
+            "encrypt the downloaded files yourself (age -r <recipient>)"
+        )
+    return _submit_save(
+        body.model_id,
+        body.seq_id,
+        "external_weights",
+        body.path,
+        ttl_seconds=body.ttl_seconds,
+        with_optimizer=False,
+        merge_weights=False,
+    )
+
+
 @bp.post("/load_weights")
 def load_weights() -> Any:
     body = parse_training(LoadWeights)
+    raw = json_body()
+    if isinstance(raw, dict) and raw.get("weights_access_token") is not None:
+        raise ValidationError(
+            "weights_access_token is not supported: a checkpoint of another tenant is readable "
+            "once its owner publishes it (tinker checkpoint publish <path>); omit the token"
+        )
     who = principal()
     with services().db.connect() as conn:
-        checkpoint = checkpoints.get(conn, who, body.path)
-        source = sessions_core.get_session(conn, who, checkpoint.session_id)
+        checkpoint = publishing.get_readable(conn, who, body.path)
+        source = sessions_core.get_session(conn, None, checkpoint.session_id)
     if checkpoint.path.kind != "weights":
         raise ValidationError(
-            f"{body.path} holds sampler weights; load a training checkpoint (tinker://.../weights/...)"
+            f"{body.path} holds {checkpoints.KINDS[checkpoint.path.kind]} weights, which cannot "
+            "be loaded to train on; load a training checkpoint (tinker://<run id>/weights/<name>)"
         )
     if body.optimizer and not checkpoint.has_optimizer:
         raise ValidationError(f"{body.path} has no optimizer state; load it without the optimizer")
@@ -162,6 +206,7 @@ def load_weights() -> Any:
             f"{body.path} was trained on {source.base_model}, not {body.base_model}"
         )
     model_id = sessions_core.training_session_id(body.session_id, body.model_seq_id)
+    own = source.tenant_id == who.tenant_id  # another tenant's names stay its own
     opened = commands.open_session(
         services().deps,
         who,
@@ -170,9 +215,9 @@ def load_weights() -> Any:
         kind="training",
         base_model=source.base_model,
         first=payload.model_copy(update={"create": True}),
-        name=source.name,
+        name=source.name if own else None,
         lora_config=source.lora_config,
-        model_package_group=source.model_package_group,
+        model_package_group=source.model_package_group if own else None,
     )
     assert opened is not None, "a training session's first operation is always admitted"
     return jsonify(request_id=opened.request_id, model_id=model_id)
@@ -273,8 +318,8 @@ def checkpoint_ttl(run_id: str, checkpoint_id: str) -> Any:
 def weights_info() -> Any:
     body = parse(WeightsInfo, json_body())
     with services().db.connect() as conn:
-        checkpoint = checkpoints.get(conn, principal(), body.tinker_path)
-        session = sessions_core.get_session(conn, principal(), checkpoint.session_id)
+        checkpoint = publishing.get_readable(conn, principal(), body.tinker_path)
+        session = sessions_core.get_session(conn, None, checkpoint.session_id)
     return jsonify(
         base_model=session.base_model,
         is_lora=not checkpoint.is_merged,
@@ -293,7 +338,7 @@ def checkpoint_files() -> Any:
     path = request.args.get("path", "")
     svc = services()
     with svc.db.connect() as conn:
-        checkpoint = checkpoints.get(conn, principal(), path)
+        checkpoint = publishing.get_readable(conn, principal(), path)
     store = svc.store
     prefix = checkpoint.storage_prefix + "/"
     files = [{"name": key[len(prefix) :], "size": store.size(key)} for key in store.list(prefix)]
@@ -305,7 +350,7 @@ def checkpoint_file() -> Any:
     path, name = request.args.get("path", ""), request.args.get("name", "")
     svc = services()
     with svc.db.connect() as conn:
-        checkpoint = checkpoints.get(conn, principal(), path)
+        checkpoint = publishing.get_readable(conn, principal(), path)
     store = svc.store
     key = f"{checkpoint.storage_prefix}/{name}"
     if key not in store.list(checkpoint.storage_prefix + "/"):  # serve only listed files

@@ -1,7 +1,8 @@
 """retrieve_future: long-polls an operation's result (Redis notice, database truth).
 
 Answers proto bytes for forward_backward and sample results, JSON for the rest,
-`{"type": "try_again"}` while pending, and `{"error", "category"}` for a failed operation.
+`{"type": "try_again"}` with status 408 while pending (see STILL_RUNNING), and
+`{"error", "category"}` for a failed operation.
 The wait goes through the process's one NoticeHub and holds no database connection between
 its checks; with Redis down it answers the same, by polling the database.
 Imports platform only; never torch.
@@ -23,6 +24,11 @@ from treadle.platform.optypes import OpStatus, OpType
 bp = Blueprint("futures", __name__)
 
 PROTO = "application/x-protobuf"
+# A long-poll that ends before the result: the tinker SDK re-polls a 408 at once and silently
+# (tinker/lib/api_future_impl.py: "408 is a try_again pretending to be an HTTP error; the body
+# carries queue_state"), whereas a 200 `{"type": "try_again"}` logs a WARNING in the user's loop
+# on every poll.
+STILL_RUNNING = 408
 # The results the tinker SDK reads as protobuf; every other result is JSON.
 PROTO_RESULTS: dict[OpType, Callable[[Any], bytes]] = {
     OpType.FORWARD_BACKWARD: encode_forward_backward_output,
@@ -42,8 +48,10 @@ def retrieve_future() -> Any:
         return op if op.is_done else None
 
     op = svc.notices.wait_until(body.request_id, check, svc.config.long_poll_seconds)
-    if op is None:
-        return jsonify(type="try_again", request_id=body.request_id, queue_state="active")
+    if op is None:  # still running: 408, the SDK's quiet "poll again" (module docstring)
+        response = jsonify(type="try_again", request_id=body.request_id, queue_state="active")
+        response.status_code = STILL_RUNNING
+        return response
     if op.status == OpStatus.FAILED:
         return jsonify(error=op.error["message"], category=op.error["category"])
     encode = PROTO_RESULTS.get(op.type)

@@ -13,15 +13,14 @@ from flask import Blueprint, jsonify
 
 from treadle.api.admission import submit
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import CreateSamplingSession, Sample, parse
-from treadle.platform import catalog, checkpoints, commands, optypes, validation
+from treadle.api.schemas import CreateSamplingSession, PromptIdTable, Sample, parse
+from treadle.platform import catalog, commands, optypes, publishing, validation
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError
 
 bp = Blueprint("sampling", __name__)
 
 DEFAULT_MAX_TOKENS = 16
-MAX_TOPK = 20
 
 
 @bp.post("/api/v1/create_sampling_session")
@@ -32,8 +31,9 @@ def create_sampling_session() -> Any:
     base_model = body.base_model
     if body.model_path is not None:
         with services().db.connect() as conn:
-            checkpoint = checkpoints.get(conn, who, body.model_path)
-            base_model = sessions_core.get_session(conn, who, checkpoint.session_id).base_model
+            # the caller's tenant's checkpoint, or another tenant's that is published
+            checkpoint = publishing.get_readable(conn, who, body.model_path)
+            base_model = sessions_core.get_session(conn, None, checkpoint.session_id).base_model
         if checkpoint.is_merged:
             raise ValidationError(
                 f"{body.model_path} is a merged model export; sample from the adapter checkpoint "
@@ -83,15 +83,16 @@ def asample() -> Any:
         raise ValidationError(
             "asample needs sampling_session_id; create one with create_sampling_session"
         )
-    if body.topk_sample_logprobs or body.prompt_alt_tokens_k:
+    if body.record_stability_info:
         raise ValidationError(
-            "topk_sample_logprobs and prompt_alt_tokens_k are not supported; set them to 0 "
-            "(per-token sample logprobs are always returned)"
+            "record_stability_info is not supported: it records sampled sequences for the "
+            "stable_reinforce loss, which this server does not serve; create the sampling "
+            "client without record_stability_info"
         )
-    if body.topk_prompt_logprobs > MAX_TOPK:
-        raise ValidationError(f"topk_prompt_logprobs must be at most {MAX_TOPK}")
-    if body.prompt_logprobs_last_n is not None:
-        raise ValidationError("prompt_logprobs_last_n is not supported yet; omit it")
+    if body.topk_prompt_logprobs > validation.MAX_TOPK_LOGPROBS:
+        raise ValidationError(
+            f"topk_prompt_logprobs must be at most {validation.MAX_TOPK_LOGPROBS}"
+        )
     tokens: list[int] = []
     for chunk in body.prompt.chunks:
         if chunk.type != "encoded_text":
@@ -103,7 +104,17 @@ def asample() -> Any:
     max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
     with services().db.connect() as conn:
         sampler = sessions_core.get_sampler(conn, principal(), body.sampling_session_id)
-    validation.validate_prompt(tokens, catalog.get_base_model(sampler.base_model), max_tokens)
+    model = catalog.get_base_model(sampler.base_model)
+    validation.validate_prompt(tokens, model, max_tokens)
+    targets = body.target_prompt_logprobs
+    validation.validate_prompt_scoring(
+        tokens,
+        model,
+        prompt_logprobs=body.prompt_logprobs,
+        last_n=body.prompt_logprobs_last_n,
+        alt_tokens_k=body.prompt_alt_tokens_k,
+        targets=None if targets is None else targets.model_dump(),
+    )
     stop = params.stop
     payload = optypes.Sample(
         prompt=tokens,
@@ -120,9 +131,25 @@ def asample() -> Any:
             seed=params.seed,
             stop=[stop] if isinstance(stop, str) else stop,
         ),
+        prompt_logprobs_last_n=body.prompt_logprobs_last_n,
+        target_prompt_logprobs=None if targets is None else _prompt_targets(targets),
+        prompt_alt_tokens_k=body.prompt_alt_tokens_k,
+        topk_sample_logprobs=body.topk_sample_logprobs,
     )
     admission = submit(sampler.session_id, body.seq_id, payload, sampler_id=sampler.id)
     return jsonify(
         request_id=admission.request_id,
         sample_sequence_ids=[f"{admission.request_id}:{i}" for i in range(body.num_samples)],
+    )
+
+
+def _prompt_targets(table: PromptIdTable) -> optypes.PromptTargets:
+    """A validated target_prompt_logprobs table as the payload stores it."""
+    assert table.shape is not None, "validate_prompt_scoring checked the shape"
+    return optypes.PromptTargets(
+        rows=table.shape[0],
+        k=table.shape[1],
+        ids=table.data,
+        crow_indices=table.sparse_crow_indices,
+        col_indices=table.sparse_col_indices,
     )

@@ -72,7 +72,9 @@ def get_info() -> Any:
         model_data={
             "arch": "llama",
             "model_name": session.base_model,
-            "tokenizer_id": session.base_model,
+            # The SDK's get_tokenizer() loads this hub repo: huggingface.co has it, and so has
+            # Treadle's hub-compatible /hf endpoint (HF_ENDPOINT=<treadle>/hf; routes_hf).
+            "tokenizer_id": catalog.get_base_model(session.base_model).tokenizer_id,
         },
         is_lora=True,
         lora_rank=session.lora_config.get("rank"),

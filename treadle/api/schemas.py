@@ -24,15 +24,18 @@ from treadle.platform.validation import (
     MAX_METADATA_DEPTH,
     MAX_METADATA_KEYS,
     MAX_NUM_SAMPLES,
+    MAX_PROMPT_ALT_TOKENS_K,
     MAX_SAMPLE_TOKENS,
     MAX_SEED,
     MAX_STOP,
     MAX_STOP_LENGTH,
     MAX_TAG_LENGTH,
     MAX_TAGS,
+    MAX_TARGET_PROMPT_CELLS,
     MAX_TEMPERATURE,
     MAX_TOKEN_ID,
     MAX_TOP_K,
+    MAX_TOPK_LOGPROBS,
     MIN_TEMPERATURE,
     MIN_TOP_P,
 )
@@ -241,6 +244,21 @@ class SamplingParams(Body):
     )
 
 
+PromptCell = Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)]  # a token id, or -1: none
+Index = Annotated[int, Field(ge=0, le=MAX_ID)]
+
+
+class PromptIdTable(Body):
+    """target_prompt_logprobs: the tinker SDK's TensorData JSON, an int64 [len(prompt) - 1, K]
+    table of token ids (-1: nothing), dense or sparse CSR."""
+
+    data: list[PromptCell] = Field(max_length=MAX_TARGET_PROMPT_CELLS)
+    dtype: Id
+    shape: list[Index] | None = Field(None, max_length=2)
+    sparse_crow_indices: list[Index] | None = Field(None, max_length=MAX_TARGET_PROMPT_CELLS + 1)
+    sparse_col_indices: list[Index] | None = Field(None, max_length=MAX_TARGET_PROMPT_CELLS)
+
+
 class Sample(Body):
     sampling_session_id: Id | None = None
     base_model: Id | None = None
@@ -251,9 +269,11 @@ class Sample(Body):
     sampling_params: SamplingParams = Field(default_factory=lambda: SamplingParams())
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(0, ge=0, le=MAX_ID)
-    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_ID)
-    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_ID)
-    prompt_logprobs_last_n: int | None = None
+    topk_sample_logprobs: int = Field(0, ge=0, le=MAX_TOPK_LOGPROBS)
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_PROMPT_ALT_TOKENS_K)
+    prompt_logprobs_last_n: int | None = Field(None, ge=1, le=MAX_ID)
+    target_prompt_logprobs: PromptIdTable | None = None
+    record_stability_info: bool | None = None
 
     @model_validator(mode="after")
     def _bounded_work(self) -> Sample:

@@ -40,6 +40,7 @@ _DTYPES: dict[int, tuple[str, np.dtype[Any]]] = {
 _TOKEN = np.dtype("<i4")
 _INDEX = np.dtype("<i8")
 _PB_DTYPE = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
+_WIRE_DTYPE: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
 _STOP_REASON = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 _REQUEST: Descriptor = pb.ForwardBackwardRequest.DESCRIPTOR
 _DATA_FIELD = _REQUEST.fields_by_name["data"].number
@@ -197,6 +198,12 @@ class _Budget:
 
 
 def _datum(index: int, d: pb.Datum, budget: _Budget) -> dict[str, Any]:
+    if d.model_input_spans or d.loss_fn_input_spans:
+        raise ValidationError(
+            f"datum {index} carries provenance (model_input_spans / loss_fn_input_spans, from "
+            "Datum.with_provenance); this server records no sampled sequences to check it "
+            "against and no loss it serves reads it: send the datum without with_provenance"
+        )
     parts: list[np.ndarray[Any, Any]] = []
     for chunk in d.model_input:
         kind = chunk.WhichOneof("chunk")
@@ -344,15 +351,19 @@ def encode_forward_backward_output(result: Mapping[str, Any]) -> bytes:
 
 
 def encode_sample_response(result: Mapping[str, Any]) -> bytes:
+    """Stored sample result -> SampleResponse proto bytes: per sequence its tokens, logprobs,
+    stop reason and (if asked) top-k logprobs; prompt logprobs (NaN where not scored), their
+    top-k, target_prompt_logprobs in the request's dense or CSR layout, prompt_alt_tokens."""
     msg = pb.SampleResponse()
     for seq in result["sequences"]:
-        msg.sequences.append(
-            pb.SampledSequence(
-                stop_reason=_STOP_REASON[seq["stop_reason"]],
-                tokens=np.asarray(seq["tokens"], dtype=np.int32).tobytes(),
-                logprobs=np.asarray(seq["logprobs"], dtype=np.float32).tobytes(),
-            )
+        sequence = pb.SampledSequence(
+            stop_reason=_STOP_REASON[seq["stop_reason"]],
+            tokens=np.asarray(seq["tokens"], dtype=np.int32).tobytes(),
+            logprobs=np.asarray(seq["logprobs"], dtype=np.float32).tobytes(),
         )
+        if seq.get("topk_logprobs") is not None:
+            sequence.topk_sampled_logprobs.CopyFrom(_topk(seq["topk_logprobs"]))
+        msg.sequences.append(sequence)
     prompt_logprobs = result.get("prompt_logprobs")
     if prompt_logprobs is not None:
         values = [np.nan if v is None else v for v in prompt_logprobs]
@@ -360,7 +371,38 @@ def encode_sample_response(result: Mapping[str, Any]) -> bytes:
     topk = result.get("topk_prompt_logprobs")
     if topk:
         msg.topk_prompt_logprobs.CopyFrom(_topk(topk))
+    targets = result.get("target_prompt_logprobs")
+    if targets is not None:
+        msg.target_prompt_logprobs.CopyFrom(_target_tensor(targets))
+    alt = result.get("prompt_alt_tokens")
+    if alt is not None:
+        shape = [len(alt["tokens"]), alt["k"]]
+        msg.prompt_alt_tokens.tokens.CopyFrom(_dense(alt["tokens"], "int64", shape))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(_dense(alt["logprobs"], "float32", shape))
     return msg.SerializeToString()
+
+
+def _dense(values: Any, dtype: str, shape: list[int]) -> pb.Tensor:
+    """A dense little-endian tensor of `values` ("int64" or "float32") with `shape`."""
+    array = np.asarray(values, dtype=_WIRE_DTYPE[dtype]).reshape(shape)
+    return pb.Tensor(dense=array.tobytes(), dtype=_PB_DTYPE[dtype], shape=shape)
+
+
+def _target_tensor(targets: Mapping[str, Any]) -> pb.Tensor:
+    """Logprobs in the layout the request's target ids came in: dense [rows, k], or CSR with its
+    row pointers and column indices."""
+    shape = [targets["rows"], targets["k"]]
+    if targets.get("crow_indices") is None:
+        return _dense(targets["values"], "float32", shape)
+    return pb.Tensor(
+        sparse_csr=pb.SparseCsr(
+            values=np.asarray(targets["values"], dtype=_WIRE_DTYPE["float32"]).tobytes(),
+            crow_indices=np.asarray(targets["crow_indices"], dtype=_INDEX).tobytes(),
+            col_indices=np.asarray(targets["col_indices"], dtype=_INDEX).tobytes(),
+        ),
+        dtype=pb.DTYPE_FLOAT32,
+        shape=shape,
+    )
 
 
 def _topk(rows: list[list[list[float]]]) -> pb.TopkLogprobs:

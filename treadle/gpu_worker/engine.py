@@ -24,7 +24,13 @@ from treadle.gpu_worker import adapter_files, fingerprint, sampler
 from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, LoraWeights, TrainableLora
 from treadle.gpu_worker.losses import EngineDatum, batch_loss, get_loss, microbatches, validate_data
 from treadle.gpu_worker.models import load_base_model
-from treadle.gpu_worker.sampler import SampledSequence, SampleResult, SamplingSpec
+from treadle.gpu_worker.sampler import (
+    PromptScoring,
+    PromptTargets,
+    SampledSequence,
+    SampleResult,
+    SamplingSpec,
+)
 from treadle.platform.catalog import BaseModelInfo, get_base_model
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
 from treadle.platform.losses import resolve_config
@@ -36,6 +42,7 @@ __all__ = [
     "EngineDatum",
     "ForwardBackwardResult",
     "LoraSpec",
+    "PromptTargets",
     "SampleResult",
     "SampledSequence",
     "SamplingSpec",
@@ -217,6 +224,7 @@ class Engine:
                 loss,
                 vocab_size=base.model.config.vocab_size,
                 max_context_length=base.info.max_context_length,
+                config=config,
             )
             outputs: list[dict[str, np.ndarray]] = []
             total = 0.0
@@ -270,12 +278,24 @@ class Engine:
         *,
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        prompt_logprobs_last_n: int | None = None,
+        target_prompt_logprobs: PromptTargets | None = None,
+        prompt_alt_tokens_k: int = 0,
+        topk_sample_logprobs: int = 0,
         interrupt: Interrupt | None = None,
     ) -> SampleResult:
         """`num_samples` continuations of `prompt` under the snapshot's weights (None: the base
-        model alone); with `prompt_logprobs`, each prompt token's logprob given its prefix; with
-        `topk_prompt_logprobs` = k > 0, the k likeliest tokens at each prompt position. Touches no
-        adapter's weights or grads. `interrupt` is called before each decoding step."""
+        model alone), with what the keywords ask about the prompt (its logprobs, their top-k,
+        only the last N, chosen ids' logprobs, alternative draws: `prompt_scores`) and the top-k
+        at each sampled position (`sampler`). Touches no adapter's weights or grads.
+        `interrupt` is called before each decoding step."""
+        scoring = PromptScoring(
+            logprobs=prompt_logprobs,
+            topk=topk_prompt_logprobs,
+            last_n=prompt_logprobs_last_n,
+            targets=target_prompt_logprobs,
+            alt_k=prompt_alt_tokens_k,
+        )
         with self._lock:
             base = self._base(base_model)
             weights = None
@@ -295,7 +315,8 @@ class Engine:
                 params,
                 vocab_size=base.model.config.vocab_size,
                 max_context_length=base.info.max_context_length,
-                topk_prompt_logprobs=topk_prompt_logprobs,
+                scoring=scoring,
+                topk_sample_logprobs=topk_sample_logprobs,
             )
             with base.host.use(weights):
                 return sampler.generate(
@@ -305,8 +326,8 @@ class Engine:
                     params,
                     eos_token_id=base.tokenizer.eos_token_id,
                     decode=lambda ids: str(base.tokenizer.decode(ids)),
-                    want_prompt_logprobs=prompt_logprobs,
-                    topk_prompt_logprobs=topk_prompt_logprobs,
+                    scoring=scoring,
+                    topk_sample_logprobs=topk_sample_logprobs,
                     interrupt=interrupt,
                 )
 

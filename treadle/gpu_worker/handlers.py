@@ -24,9 +24,10 @@ from treadle.gpu_worker.engine import (
     EngineDatum,
     Interrupt,
     LoraSpec,
+    PromptTargets,
     SamplingSpec,
 )
-from treadle.platform import auto_checkpoints
+from treadle.platform import auto_checkpoints, optypes
 from treadle.platform.optypes import (
     CreateModel,
     ForwardBackward,
@@ -167,8 +168,8 @@ def save_weights(call: Call, p: SaveWeights) -> Outcome:
 
 
 def save_weights_for_sampler(call: Call, p: SaveWeightsForSampler) -> Outcome:
-    call.engine.snapshot(call.adapter_id, p.sampler_id)
-    return Outcome({"sampling_session_id": p.sampler_id})
+    call.engine.snapshot(call.adapter_id, p.snapshot)
+    return Outcome({"sampling_session_id": p.sampler_id, "snapshot_id": p.snapshot})
 
 
 def sample(call: Call, p: Sample) -> Outcome:
@@ -186,6 +187,7 @@ def sample(call: Call, p: Sample) -> Outcome:
         checkpoint_io.ensure_snapshot(
             call.engine, call.store, p.snapshot_id, call.base_model, p.checkpoint_prefix
         )
+    targets = p.target_prompt_logprobs
     out = call.engine.sample(
         call.base_model,
         p.snapshot_id,
@@ -194,18 +196,42 @@ def sample(call: Call, p: Sample) -> Outcome:
         spec,
         prompt_logprobs=p.prompt_logprobs,
         topk_prompt_logprobs=p.topk_prompt_logprobs,
+        prompt_logprobs_last_n=p.prompt_logprobs_last_n,
+        target_prompt_logprobs=None if targets is None else _prompt_targets(targets),
+        prompt_alt_tokens_k=p.prompt_alt_tokens_k,
+        topk_sample_logprobs=p.topk_sample_logprobs,
         interrupt=call.interrupt,
     )
-    result = {
+    result: dict[str, Any] = {
         "sequences": [
             {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
+            | ({} if s.topk_logprobs is None else {"topk_logprobs": s.topk_logprobs})
             for s in out.sequences
         ],
         "prompt_logprobs": out.prompt_logprobs,
         "topk_prompt_logprobs": out.topk_prompt_logprobs,
     }
+    if targets is not None:  # the request's layout, with a logprob in place of each id
+        layout = targets.model_dump(exclude={"ids"})
+        result["target_prompt_logprobs"] = layout | {"values": out.target_prompt_logprobs}
+    if out.prompt_alt_tokens is not None:
+        result["prompt_alt_tokens"] = {
+            "k": p.prompt_alt_tokens_k,
+            "tokens": out.prompt_alt_tokens,
+            "logprobs": out.prompt_alt_logprobs,
+        }
     tokens = {"prefill": out.prefill_tokens, "sample": out.sample_tokens, "train": 0}
     return Outcome(result, tokens)
+
+
+def _prompt_targets(targets: optypes.PromptTargets) -> PromptTargets:
+    return PromptTargets(
+        rows=targets.rows,
+        k=targets.k,
+        ids=tuple(targets.ids),
+        crow_indices=None if targets.crow_indices is None else tuple(targets.crow_indices),
+        col_indices=None if targets.col_indices is None else tuple(targets.col_indices),
+    )
 
 
 HANDLERS: dict[OpType, Callable[[Call, Any], Outcome]] = {

@@ -30,7 +30,7 @@ import sqlalchemy as sa
 
 from treadle.gpu_worker import faults, handlers, recovery
 from treadle.gpu_worker.engine import Engine
-from treadle.platform import events, leases, metrics, notify, operations
+from treadle.platform import cancellation, events, leases, metrics, notify, operations
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import (
@@ -477,7 +477,7 @@ class SessionHost:
             if session.worker_id != self.worker_id or not session.is_active:
                 return
             sessions_core.halt_session(conn, session, status, {**data, "message": message})
-            failed = operations.fail_pending(
+            failed = cancellation.fail_pending(
                 conn, session_id, message, code=code, category="server"
             )
         for request_id in failed:

@@ -1,10 +1,11 @@
 """Training losses, by name, and the validation of the data they consume.
 
 Owns `EngineDatum`, the loss functions (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
-`dro`; their names, inputs and config ranges are `treadle.platform.losses`'), every check on a
-datum's tokens and `loss_fn_inputs`, and the padded batch forward pass that turns validated data
-into logprobs and losses. A loss maps the target-token logprobs `lp` of the current model to an
-elementwise loss; the total is its sum over tokens and datums (normalising is the client's job). Formulas: /work/shared/reference/semantics.md.
+`dro`, `gspo`; their names, inputs and config ranges are `treadle.platform.losses`'), every check
+on a datum's tokens and `loss_fn_inputs`, and the padded batch forward pass that turns validated
+data into logprobs and losses. A loss maps the target-token logprobs `lp` of the current model to
+an elementwise loss; the total is its sum over tokens and datums (normalising is the client's
+job). Formulas and their sources: docs/losses-and-sampling.md.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -18,7 +19,13 @@ import torch
 from transformers import PreTrainedModel
 
 from treadle.platform.errors import ValidationError
-from treadle.platform.losses import LOSS_SPECS, LossSpec, get_loss_spec
+from treadle.platform.losses import (
+    LOSS_SPECS,
+    LossSpec,
+    check_config_values,
+    get_loss_spec,
+    resolve_config,
+)
 
 __all__ = [
     "LOSSES",
@@ -77,20 +84,37 @@ def _importance_sampling(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, fl
     return -torch.exp(lp - x["logprobs"]) * x["advantages"]
 
 
-def _ppo(lp: Tensor, x: Mapping[str, Tensor], c: Mapping[str, float]) -> Tensor:
+def _clip(ratio: Tensor, x: Mapping[str, Tensor]) -> Tensor:
+    """`ratio` clamped to each token's [clip_low_threshold, clip_high_threshold] (validate_data
+    fills the loss_fn_config values in for datums that do not send them per token)."""
+    return torch.clamp(ratio, x["clip_low_threshold"], x["clip_high_threshold"])
+
+
+def _ppo(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
     ratio = torch.exp(lp - x["logprobs"])
-    clipped = ratio.clamp(c["clip_low_threshold"], c["clip_high_threshold"])
-    return -torch.minimum(ratio * x["advantages"], clipped * x["advantages"])
+    return -torch.minimum(ratio * x["advantages"], _clip(ratio, x) * x["advantages"])
 
 
-def _cispo(lp: Tensor, x: Mapping[str, Tensor], c: Mapping[str, float]) -> Tensor:
+def _cispo(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
     ratio = torch.exp(lp - x["logprobs"]).detach()
-    clipped = ratio.clamp(c["clip_low_threshold"], c["clip_high_threshold"])
-    return -clipped * lp * x["advantages"]
+    return -_clip(ratio, x) * lp * x["advantages"]
 
 
 def _dro(lp: Tensor, x: Mapping[str, Tensor], c: Mapping[str, float]) -> Tensor:
     return -(lp * x["advantages"] - 0.5 * c["beta"] * (lp - x["logprobs"]) ** 2)
+
+
+def _gspo(lp_B_T: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
+    """GSPO-token: each row's sequence ratio s = exp(mean of (lp - q) over the tokens its
+    sequence_ratio_mask marks) is every token's ratio in value, with the gradient of the token's
+    own lp (s_t = sg(s) * exp(lp_t - sg(lp_t))), then PPO's clipped objective per token. Padding
+    has mask 0, so it never enters a row's mean."""
+    in_ratio_B_T = x["sequence_ratio_mask"] != 0
+    log_ratio_B_T = torch.where(in_ratio_B_T, lp_B_T.detach() - x["logprobs"], 0.0)
+    mean_B_1 = log_ratio_B_T.sum(-1, keepdim=True) / in_ratio_B_T.sum(-1, keepdim=True)
+    ratio_B_T = torch.exp(mean_B_1 + lp_B_T - lp_B_T.detach())
+    advantages_B_T = x["advantages"]
+    return -torch.minimum(ratio_B_T * advantages_B_T, _clip(ratio_B_T, x) * advantages_B_T)
 
 
 _COMPUTE: dict[str, Compute] = {
@@ -99,6 +123,7 @@ _COMPUTE: dict[str, Compute] = {
     "ppo": _ppo,
     "cispo": _cispo,
     "dro": _dro,
+    "gspo": _gspo,
 }
 assert set(_COMPUTE) == set(LOSS_SPECS), "every specified loss needs exactly one compute function"
 
@@ -113,20 +138,36 @@ def get_loss(name: str) -> LossFn:
 
 
 def validate_data(
-    data: Sequence[EngineDatum], loss: LossFn, *, vocab_size: int, max_context_length: int
+    data: Sequence[EngineDatum],
+    loss: LossFn,
+    *,
+    vocab_size: int,
+    max_context_length: int,
+    config: Mapping[str, float] | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Check every datum for `loss`; return per datum its arrays (`tokens` and `target_tokens`
-    int64, float inputs float32), all of length T.
+    int64, float inputs float32), all of length T. A per-token config input (e.g. ppo's
+    `clip_low_threshold`) a datum does not send is filled with `config`'s value (the loss's
+    default where `config` lacks it).
 
     Raises ValidationError naming the datum index and field of the first problem.
     """
     if not data:
         raise ValidationError("data is empty; send at least one datum")
-    return [_validate_datum(i, d, loss, vocab_size, max_context_length) for i, d in enumerate(data)]
+    resolved = resolve_config(loss.spec, config)
+    return [
+        _validate_datum(i, d, loss, vocab_size, max_context_length, resolved)
+        for i, d in enumerate(data)
+    ]
 
 
 def _validate_datum(
-    i: int, datum: EngineDatum, loss: LossFn, vocab_size: int, max_context_length: int
+    i: int,
+    datum: EngineDatum,
+    loss: LossFn,
+    vocab_size: int,
+    max_context_length: int,
+    config: Mapping[str, float],
 ) -> dict[str, np.ndarray]:
     n_tokens = len(datum.tokens)
     if n_tokens == 0:
@@ -143,7 +184,16 @@ def _validate_datum(
             f"datum {i}: loss_fn_inputs lacks {missing}; loss {loss.name!r} needs "
             f"{list(loss.inputs)}"
         )
-    for name in loss.inputs:
+    unknown = sorted(set(datum.loss_fn_inputs) - set(loss.spec.accepted_inputs))
+    if unknown:
+        raise ValidationError(
+            f"datum {i}: loss_fn_inputs has {unknown}, which loss {loss.name!r} does not read; "
+            f"remove them (it reads {list(loss.spec.accepted_inputs)})"
+        )
+    for name in loss.spec.accepted_inputs:
+        if name not in datum.loss_fn_inputs:
+            arrays[name] = np.full(n_tokens, config[name], np.float32)
+            continue
         value = np.asarray(datum.loss_fn_inputs[name])
         if value.ndim != 1 or value.shape[0] != n_tokens:
             raise ValidationError(
@@ -155,6 +205,12 @@ def _validate_datum(
             continue
         if not (np.issubdtype(value.dtype, np.number) and np.isfinite(value).all()):
             raise ValidationError(f"datum {i}: {name} must hold finite numbers only")
+        if name in loss.spec.per_token_config:
+            check_config_values(loss.spec, name, value.tolist(), where=f"datum {i}: {name}")
+        if name in loss.spec.nonzero_inputs and not value.any():
+            raise ValidationError(
+                f"datum {i}: {name} marks no token; give at least one token a nonzero value"
+            )
         arrays[name] = value.astype(np.float32)
     return arrays
 
@@ -213,7 +269,7 @@ def batch_loss(
     mask_B_T = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(device)
     tokens_B_T = padded("tokens", torch.long)
     targets_B_T = padded("target_tokens", torch.long)
-    inputs = {name: padded(name, torch.float32) for name in loss.float_inputs}
+    inputs = {name: padded(name, torch.float32) for name in loss.spec.accepted_inputs[1:]}
     logits_B_T_V = model(
         input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
     ).logits.float()

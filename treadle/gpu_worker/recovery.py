@@ -104,7 +104,7 @@ def rebuild(
         if (
             isinstance(payload, SaveWeightsForSampler)
             and snapshots is not None
-            and payload.sampler_id not in snapshots
+            and payload.snapshot not in snapshots
         ):
             continue
         if interrupt is not None:

@@ -17,7 +17,16 @@ from celery.signals import worker_ready, worker_shutting_down
 
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
-from treadle.platform import checkpoints, db, leases, notify, operations, routing, storage
+from treadle.platform import (
+    cancellation,
+    checkpoints,
+    db,
+    leases,
+    notify,
+    operations,
+    routing,
+    storage,
+)
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 
@@ -84,7 +93,7 @@ class LeaseKeeper(threading.Thread):
             failed = [
                 request_id
                 for session_id in (sessions_core.expire_idle(conn, idle) if idle > 0 else [])
-                for request_id in operations.fail_pending(
+                for request_id in cancellation.fail_pending(
                     conn,
                     session_id,
                     sessions_core.expired_message(session_id, idle),

@@ -1,9 +1,10 @@
 """Batched sampling of continuations of one prompt, with a KV cache.
 
-Owns `SamplingSpec`, the sample results and the decode loop: prefill the prompt once, repeat its
-KV cache for `num_samples` rows, then decode step by step with temperature, top-k, top-p, a
-per-call seeded generator and stop tokens/strings. Knows nothing of adapters: the caller activates
-the weights to sample with. Must not import flask, sqlalchemy, celery or treadle.api.
+Owns `SamplingSpec`, the sample results and the decode loop: prefill the prompt once (scoring it
+as `prompt_scores` is asked), repeat its KV cache for `num_samples` rows, then decode step by step
+with temperature, top-k, top-p, a per-call seeded generator and stop tokens/strings, recording
+each token's logprob and, if asked, the top-k at each step. Knows nothing of adapters: the caller
+activates the weights to sample with. Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
@@ -17,10 +18,28 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from treadle.gpu_worker.prompt_scores import (
+    PromptScoring,
+    PromptTargets,
+    score_prompt,
+    topk_logprobs,
+    validate_scoring,
+)
 from treadle.platform.errors import ValidationError
 from treadle.platform.validation import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
 
-__all__ = ["SampleResult", "SampledSequence", "SamplingSpec", "generate", "validate_sampling"]
+__all__ = [
+    "PromptScoring",
+    "PromptTargets",
+    "SampleResult",
+    "SampledSequence",
+    "SamplingSpec",
+    "generate",
+    "validate_sampling",
+]
+# The alternative-token draws use their own generator, so asking for them leaves the sampled
+# continuations of a seeded request unchanged.
+_ALT_SEED_OFFSET = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
@@ -40,22 +59,33 @@ class SamplingSpec:
 
 @dataclass
 class SampledSequence:
+    """`logprobs[j]` and `topk_logprobs[j]` (the k likeliest (token id, logprob), likeliest
+    first; None unless asked for) are under the distribution token j was drawn from before
+    top-k/top-p truncation: softmax(logits / temperature), softmax(logits) when greedy."""
+
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" | "length"
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
 class SampleResult:
-    """`prompt_logprobs[i]`: logprob of prompt token i given its prefix (None at 0);
-    `topk_prompt_logprobs[i]`: the k likeliest (token id, logprob) after prompt[:i], likeliest
-    first (an empty list at 0). Both at temperature 1, and None unless asked for."""
+    """`prompt_logprobs[i]`: logprob of prompt token i given its prefix (None at 0 and before
+    the last N when only those were asked for); `topk_prompt_logprobs[i]`: the k likeliest
+    (token id, logprob) after prompt[:i], likeliest first ([] where not scored);
+    `target_prompt_logprobs`: one logprob per id of the request's `PromptTargets` (0.0 for -1);
+    `prompt_alt_tokens` / `prompt_alt_logprobs`: [P - 1][k] draws and their logprobs. Prompt
+    logprobs are at temperature 1; each field is None unless asked for."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None
     prefill_tokens: int
     sample_tokens: int
     topk_prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    target_prompt_logprobs: list[float] | None = None
+    prompt_alt_tokens: list[list[int]] | None = None
+    prompt_alt_logprobs: list[list[float]] | None = None
 
 
 def validate_sampling(
@@ -65,7 +95,8 @@ def validate_sampling(
     *,
     vocab_size: int,
     max_context_length: int,
-    topk_prompt_logprobs: int = 0,
+    scoring: PromptScoring | None = None,
+    topk_sample_logprobs: int = 0,
 ) -> list[int]:
     """`prompt` as a list of ints; ValidationError saying what is wrong with the request, and
     how to fix it, otherwise."""
@@ -84,10 +115,11 @@ def validate_sampling(
             )
     if num_samples < 1:
         raise ValidationError(f"num_samples is {num_samples}; it must be at least 1")
-    if not 0 <= topk_prompt_logprobs <= vocab_size:
+    validate_scoring(scoring or PromptScoring(), len(tokens), vocab_size)
+    if not 0 <= topk_sample_logprobs <= vocab_size:
         raise ValidationError(
-            f"topk_prompt_logprobs is {topk_prompt_logprobs}; it must be between 0 (off) and the "
-            f"vocabulary size {vocab_size}"
+            f"topk_sample_logprobs is {topk_sample_logprobs}; it must be between 0 (off) and "
+            f"the vocabulary size {vocab_size}"
         )
     if params.max_tokens < 0:
         raise ValidationError(f"max_tokens is {params.max_tokens}; it must be 0 or more")
@@ -125,39 +157,43 @@ def generate(
     *,
     eos_token_id: int | None,
     decode: Callable[[list[int]], str],
-    want_prompt_logprobs: bool = False,
-    topk_prompt_logprobs: int = 0,
+    scoring: PromptScoring | None = None,
+    topk_sample_logprobs: int = 0,
     interrupt: Callable[[], None] | None = None,
 ) -> SampleResult:
-    """Sample `num_samples` continuations of `prompt` with whatever weights `model` runs now.
-    `interrupt` is called before each decoding step; what it raises ends the call.
+    """Sample `num_samples` continuations of `prompt` with whatever weights `model` runs now,
+    scoring the prompt as `scoring` asks (see `prompt_scores`) and, with `topk_sample_logprobs`
+    = k > 0, the k likeliest tokens at each sampled position. `interrupt` is called before each
+    decoding step; what it raises ends the call.
 
     Per-token logprobs are under softmax(logits / temperature) before top-k/top-p truncation
     (under softmax(logits) when greedy); prompt logprobs under softmax(logits). Call
     `validate_sampling` first.
     """
+    scoring = scoring or PromptScoring()
     device = next(model.parameters()).device
     seed = params.seed if params.seed is not None else secrets.randbits(63)
     generator = torch.Generator(device=device).manual_seed(seed)
     stop_ids, stop_strings = _stop_rules(params.stop, eos_token_id)
     tokens_N: list[list[int]] = [[] for _ in range(num_samples)]
     logprobs_N: list[list[float]] = [[] for _ in range(num_samples)]
+    topk_N: list[list[list[tuple[int, float]]]] = [[] for _ in range(num_samples)]
     reasons: list[str | None] = [None] * num_samples
-    prompt_logprobs: list[float | None] | None = None
-    topk: list[list[tuple[int, float]]] | None = None
 
     with torch.inference_mode():
         prompt_1_P = torch.tensor([list(prompt)], dtype=torch.long, device=device)
         cache = DynamicCache(config=model.config)
         kwarg = _cache_kwarg(model)
-        keep = 0 if want_prompt_logprobs or topk_prompt_logprobs else 1  # 0 = every position
+        keep = scoring.logits_to_keep(len(prompt))
         out = model(input_ids=prompt_1_P, use_cache=True, logits_to_keep=keep, **{kwarg: cache})
         logits_1_K_V = out.logits.float()
-        if want_prompt_logprobs:
-            lp_1_Pm1 = _token_logprobs(logits_1_K_V[:, :-1], prompt_1_P[:, 1:])
-            prompt_logprobs = [None, *lp_1_Pm1[0].tolist()]
-        if topk_prompt_logprobs:
-            topk = [[], *_topk_logprobs(logits_1_K_V[0, :-1], topk_prompt_logprobs)]
+        scores = score_prompt(
+            logits_1_K_V[0],
+            prompt,
+            scoring,
+            temperature=params.temperature,
+            generator=torch.Generator(device=device).manual_seed((seed + _ALT_SEED_OFFSET) % 2**64),
+        )
         if params.max_tokens > 0:
             cache.batch_repeat_interleave(num_samples)
             logits_N_V = logits_1_K_V[:, -1].expand(num_samples, -1)
@@ -165,11 +201,18 @@ def generate(
             if interrupt is not None:
                 interrupt()
             chosen_N, lp_N = _choose(logits_N_V, params, generator)
+            topk_rows = (
+                topk_logprobs(_sampling_logits(logits_N_V, params), topk_sample_logprobs)
+                if topk_sample_logprobs
+                else None
+            )
             for row, (token, lp) in enumerate(zip(chosen_N.tolist(), lp_N.tolist(), strict=True)):
                 if reasons[row] is not None:
                     continue
                 tokens_N[row].append(token)
                 logprobs_N[row].append(lp)
+                if topk_rows is not None:
+                    topk_N[row].append(topk_rows[row])
                 if token in stop_ids or (
                     stop_strings and any(s in decode(tokens_N[row]) for s in stop_strings)
                 ):
@@ -180,15 +223,23 @@ def generate(
             logits_N_V = out.logits[:, -1].float()
 
     sequences = [
-        SampledSequence(tokens=t, logprobs=lp, stop_reason=r or "length")
-        for t, lp, r in zip(tokens_N, logprobs_N, reasons, strict=True)
+        SampledSequence(
+            tokens=t,
+            logprobs=lp,
+            stop_reason=r or "length",
+            topk_logprobs=topk if topk_sample_logprobs else None,
+        )
+        for t, lp, r, topk in zip(tokens_N, logprobs_N, reasons, topk_N, strict=True)
     ]
     return SampleResult(
         sequences=sequences,
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=scores.prompt_logprobs,
         prefill_tokens=len(prompt),
         sample_tokens=sum(len(t) for t in tokens_N),
-        topk_prompt_logprobs=topk,
+        topk_prompt_logprobs=scores.topk_prompt_logprobs,
+        target_prompt_logprobs=scores.target_logprobs,
+        prompt_alt_tokens=scores.alt_tokens,
+        prompt_alt_logprobs=scores.alt_logprobs,
     )
 
 
@@ -219,15 +270,10 @@ def _token_logprobs(logits_B_T_V: torch.Tensor, tokens_B_T: torch.Tensor) -> tor
     return picked_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
 
 
-def _topk_logprobs(logits_T_V: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
-    """Per position, the `k` likeliest (token id, logprob), likeliest first."""
-    rows: list[list[tuple[int, float]]] = []
-    for start in range(0, logits_T_V.shape[0], 256):  # bounds the float32 [rows, V] temporaries
-        logprobs_R_V = torch.log_softmax(logits_T_V[start : start + 256], dim=-1)
-        values_R_K, ids_R_K = torch.topk(logprobs_R_V, k, dim=-1)  # sorted, descending
-        for ids, values in zip(ids_R_K.tolist(), values_R_K.tolist(), strict=True):
-            rows.append(list(zip(ids, values, strict=True)))
-    return rows
+def _sampling_logits(logits_N_V: torch.Tensor, params: SamplingSpec) -> torch.Tensor:
+    """The logits whose softmax a token is drawn from before truncation (and its logprob is
+    reported under): logits / temperature, the logits themselves when greedy."""
+    return logits_N_V if params.temperature == 0.0 else logits_N_V / params.temperature
 
 
 def _choose(
@@ -237,8 +283,7 @@ def _choose(
     if params.temperature == 0.0:
         chosen_N = logits_N_V.argmax(dim=-1)
         return chosen_N, _token_logprobs(logits_N_V, chosen_N)
-    scaled_N_V = logits_N_V / params.temperature
-    logprobs_N_V = torch.log_softmax(scaled_N_V, dim=-1)
+    logprobs_N_V = torch.log_softmax(_sampling_logits(logits_N_V, params), dim=-1)
     truncated_N_V = logprobs_N_V
     vocab = logprobs_N_V.shape[-1]
     if 0 < params.top_k < vocab:

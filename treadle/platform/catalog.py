@@ -19,9 +19,11 @@ __all__ = [
     "SMOLLM2_NAME",
     "TINY_DEBUG_NAME",
     "BaseModelInfo",
+    "base_model_for_tokenizer_repo",
     "get_base_model",
     "list_base_models",
     "smollm2_gguf_path",
+    "tokenizer_repo_ids",
 ]
 
 TINY_DEBUG_NAME = "treadle/tiny-debug"
@@ -45,6 +47,12 @@ class BaseModelInfo:
     vocab_size: int
     description: str
     gguf_file: str | None = None
+
+    @property
+    def tokenizer_id(self) -> str:
+        """The hub repo id of this model's tokenizer, which get_info reports as `tokenizer_id`:
+        a repo huggingface.co hosts and Treadle's hub-compatible routes (`/hf`) also serve."""
+        return self.tokenizer_source
 
 
 _CATALOG: tuple[BaseModelInfo, ...] = (
@@ -80,6 +88,20 @@ def get_base_model(name: str) -> BaseModelInfo:
             return info
     known = ", ".join(repr(info.name) for info in _CATALOG)
     raise ValidationError(f"unknown base model {name!r}; choose one of: {known}")
+
+
+def tokenizer_repo_ids() -> list[str]:
+    """Every repo id the hub-compatible routes serve a tokenizer under: each model's own name
+    (the tinker SDK's SamplingClient asks for that) and its tokenizer repo, in a stable order."""
+    names = [name for info in _CATALOG for name in (info.name, info.tokenizer_id)]
+    return list(dict.fromkeys(names))
+
+
+def base_model_for_tokenizer_repo(repo_id: str) -> BaseModelInfo | None:
+    """A catalogue model whose tokenizer `repo_id` names (its own name first), or None."""
+    return next((info for info in _CATALOG if info.name == repo_id), None) or next(
+        (info for info in _CATALOG if info.tokenizer_id == repo_id), None
+    )
 
 
 def smollm2_gguf_path() -> Path:

@@ -1,8 +1,9 @@
 """Checkpoints: `tinker://` paths, names, storage prefixes and the versioned registry.
 
 A checkpoint is addressed as `tinker://<run id>/weights/<name>` (adapter + optimizer state,
-resumable) or `tinker://<run id>/sampler_weights/<name>` (weights for sampling, optionally merged
-into a full model). Its files live under the tenant's storage prefix, built here and never taken
+resumable), `tinker://<run id>/sampler_weights/<name>` (weights for sampling, optionally merged
+into a full model) or `tinker://<run id>/external_weights/<name>` (a PEFT adapter folder for use
+outside Treadle). Its files live under the tenant's storage prefix, built here and never taken
 from input. Each save is a new version of a model package group. Every lookup is tenant-scoped:
 another tenant's checkpoint answers like a missing one. Imports nothing from api, gpu_worker or torch.
 """
@@ -21,7 +22,7 @@ from treadle.platform.errors import NotFoundError, ValidationError
 from treadle.platform.schema import checkpoints, sessions
 from treadle.platform.tenants import Principal
 
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 _RUN_ID = re.compile(r"^sess-[0-9a-f]{16}:train:\d+$")
 MAX_NAME = 128
 
@@ -29,7 +30,7 @@ MAX_NAME = 128
 @dataclass(frozen=True)
 class CheckpointPath:
     run_id: str
-    kind: str  # "weights" | "sampler_weights"
+    kind: str  # "weights" | "sampler_weights" | "external_weights"
     name: str
 
     def __str__(self) -> str:
@@ -53,6 +54,7 @@ class Checkpoint:
     is_merged: bool
     created_at: datetime
     expires_at: datetime | None
+    public: bool = False  # published: readable by every tenant's keys (platform.publishing)
 
     def to_json(self) -> dict[str, Any]:
         """The Tinker REST shape of a checkpoint, plus Treadle's registry fields."""
@@ -63,7 +65,7 @@ class Checkpoint:
             "tinker_path": str(self.path),
             "size_bytes": self.size_bytes,
             "expires_at": self.expires_at.isoformat() if self.expires_at else None,
-            "public": False,
+            "public": self.public,
             "model_package_group": self.model_package_group,
             "version": self.version,
             "has_optimizer": self.has_optimizer,
@@ -100,7 +102,8 @@ def parse_path(path: str) -> CheckpointPath:
     run_id, kind, name = parts
     if kind not in KINDS:
         raise ValidationError(
-            f"{path!r}: the kind must be 'weights' or 'sampler_weights', got {kind!r}"
+            f"{path!r}: the kind must be 'weights', 'sampler_weights' or 'external_weights', "
+            f"got {kind!r}"
         )
     if not _RUN_ID.match(run_id):
         raise NotFoundError(f"checkpoint {path} not found")
@@ -174,13 +177,23 @@ def _live(query: sa.Select[Any]) -> sa.Select[Any]:
 
 
 def get(
-    conn: sa.Connection, principal: Principal | None, path: str, *, tenant_id: str | None = None
+    conn: sa.Connection,
+    principal: Principal | None,
+    path: str,
+    *,
+    tenant_id: str | None = None,
+    readable: bool = False,
 ) -> Checkpoint:
+    """The live checkpoint at `path` of the caller's tenant (with `readable`, also another
+    tenant's published one: see platform.publishing); NotFoundError otherwise."""
     parsed = parse_path(path)
     tenant = principal.tenant_id if principal is not None else tenant_id
     query = _live(sa.select(checkpoints).where(checkpoints.c.tinker_path == str(parsed)))
     if tenant is not None:
-        query = query.where(checkpoints.c.tenant_id == tenant)
+        owned = checkpoints.c.tenant_id == tenant
+        query = query.where(
+            sa.or_(owned, checkpoints.c.published_at.is_not(None)) if readable else owned
+        )
     row = conn.execute(query).first()
     if row is None:
         raise NotFoundError(f"checkpoint {parsed} not found")
@@ -280,6 +293,7 @@ def _checkpoint(row: sa.Row[Any]) -> Checkpoint:
         is_merged=row.is_merged,
         created_at=row.created_at,
         expires_at=row.expires_at,
+        public=row.published_at is not None,
     )
 
 

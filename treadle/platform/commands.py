@@ -22,7 +22,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from treadle.platform import leases, notify, operations, quotas, routing, schema
+from treadle.platform import cancellation, leases, notify, operations, quotas, routing, schema
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import UnavailableError
@@ -166,7 +166,7 @@ def stop_session(deps: Deps, principal: Principal, session_id: str) -> None:
     """Stop a session: `SessionStopped`, its pending operations failed, its worker told."""
     with deps.db.begin() as conn:
         stopped = sessions_core.stop_session(conn, principal, session_id, "stopped by client")
-        failed = operations.fail_pending(
+        failed = cancellation.fail_pending(
             conn, session_id, f"model {session_id} was stopped", actor=principal.key_id
         )
     _after_stop(deps, [session_id] if stopped else [], failed)
@@ -181,7 +181,7 @@ def finish_client_session(
         failed = [
             request_id
             for session_id in stopped
-            for request_id in operations.fail_pending(
+            for request_id in cancellation.fail_pending(
                 conn,
                 session_id,
                 f"session {client_session_id} was finished",

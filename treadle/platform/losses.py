@@ -1,18 +1,26 @@
-"""What each loss takes: its float inputs (besides `target_tokens`) and its `loss_fn_config`
-keys with default and accepted range. The API validates against it; the engine builds its loss
-functions from it, so there is one source of truth. Formulas: reference/semantics.md.
+"""What each loss takes: its float inputs (besides `target_tokens`), its `loss_fn_config` keys
+with default and accepted range, and which of those keys a datum may also give per token as a
+`loss_fn_inputs` tensor. The API validates against it; the engine builds its loss functions from
+it, so there is one source of truth. Formulas and sources: docs/losses-and-sampling.md.
 Imports nothing from api, gpu_worker or torch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from treadle.platform.errors import ValidationError
 
-__all__ = ["LOSS_SPECS", "LossSpec", "get_loss_spec", "resolve_config"]
+__all__ = [
+    "LOSS_SPECS",
+    "UNSERVED_LOSSES",
+    "LossSpec",
+    "check_config_values",
+    "get_loss_spec",
+    "resolve_config",
+]
 
 
 @dataclass(frozen=True)
@@ -21,30 +29,66 @@ class LossSpec:
     float_inputs: tuple[str, ...]
     # key -> (default, lowest, highest), the range inclusive
     config: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
+    # config keys a datum may also send as a float32 [T] loss_fn_inputs tensor, one value per
+    # token, overriding loss_fn_config for that datum (the tinker SDK types these inputs)
+    per_token_config: tuple[str, ...] = ()
+    # float inputs that must mark (hold a nonzero value at) at least one token of each datum
+    nonzero_inputs: tuple[str, ...] = ()
 
     @property
     def inputs(self) -> tuple[str, ...]:
+        """The loss_fn_inputs every datum must carry."""
         return ("target_tokens", *self.float_inputs)
+
+    @property
+    def accepted_inputs(self) -> tuple[str, ...]:
+        """Every loss_fn_inputs name this loss reads: the required ones, then the optional."""
+        return (*self.inputs, *self.per_token_config)
 
 
 _RL_INPUTS = ("logprobs", "advantages")
 # Clip ranges as SageMaker accepts them: low in [0, 1], high in [1, 10].
 _CLIP = {"clip_low_threshold": (0.8, 0.0, 1.0), "clip_high_threshold": (1.2, 1.0, 10.0)}
+_CLIP_KEYS = tuple(_CLIP)
 
 LOSS_SPECS: dict[str, LossSpec] = {
     spec.name: spec
     for spec in (
         LossSpec("cross_entropy", ("weights",)),
         LossSpec("importance_sampling", _RL_INPUTS),
-        LossSpec("ppo", _RL_INPUTS, _CLIP),
-        LossSpec("cispo", _RL_INPUTS, _CLIP),
+        LossSpec("ppo", _RL_INPUTS, _CLIP, per_token_config=_CLIP_KEYS),
+        LossSpec("cispo", _RL_INPUTS, _CLIP, per_token_config=_CLIP_KEYS),
         LossSpec("dro", _RL_INPUTS, {"beta": (0.05, 0.0, float("inf"))}),
+        LossSpec(
+            "gspo",
+            (*_RL_INPUTS, "sequence_ratio_mask"),
+            _CLIP,
+            per_token_config=_CLIP_KEYS,
+            nonzero_inputs=("sequence_ratio_mask",),
+        ),
     )
+}
+
+# Names the tinker SDK's LossFnType lists that this server refuses, and why (a 400 naming them).
+UNSERVED_LOSSES: dict[str, str] = {
+    "stable_reinforce": (
+        "loss_fn 'stable_reinforce' is not served: Tinker has not published its objective (it "
+        "is alpha and uses stability information its own sampler records, named through "
+        "Datum.with_provenance), so this server cannot compute it exactly; use "
+        "importance_sampling, ppo, cispo or gspo (docs/losses-and-sampling.md)"
+    ),
+    "custom": (
+        "loss_fn 'custom' (a server-side loss registered with create_custom_loss) is not "
+        "served; pass a Python function to forward_backward_custom, which runs the loss on "
+        "the client and sends cross_entropy"
+    ),
 }
 
 
 def get_loss_spec(name: str) -> LossSpec:
-    """The loss called `name`; ValidationError listing the known ones otherwise."""
+    """The loss called `name`; ValidationError naming it and listing the known ones otherwise."""
+    if name in UNSERVED_LOSSES:
+        raise ValidationError(UNSERVED_LOSSES[name])
     try:
         return LOSS_SPECS[name]
     except KeyError:
@@ -63,13 +107,7 @@ def resolve_config(spec: LossSpec, config: Mapping[str, float] | None) -> dict[s
         )
     resolved = {key: default for key, (default, _, _) in spec.config.items()}
     for key, value in given.items():
-        _, low, high = spec.config[key]
-        if not (math.isfinite(value) and low <= value <= high):
-            bound = f"at least {low}" if high == math.inf else f"between {low} and {high}"
-            raise ValidationError(
-                f"loss_fn_config[{key!r}] = {value} is out of range for {spec.name}; "
-                f"it must be {bound}"
-            )
+        check_config_values(spec, key, [value], where=f"loss_fn_config[{key!r}]")
         resolved[key] = float(value)
     if resolved.get("clip_low_threshold", 0.0) > resolved.get("clip_high_threshold", 1.0):
         raise ValidationError(
@@ -77,3 +115,16 @@ def resolve_config(spec: LossSpec, config: Mapping[str, float] | None) -> dict[s
             f"clip_high_threshold ({resolved['clip_high_threshold']})"
         )
     return resolved
+
+
+def check_config_values(spec: LossSpec, key: str, values: Iterable[float], *, where: str) -> None:
+    """Every value of config key `key` (one, or a per-token list) finite and inside its range;
+    ValidationError naming `where` and the accepted range otherwise."""
+    _, low, high = spec.config[key]
+    for value in values:
+        number = float(value)
+        if not (math.isfinite(number) and low <= number <= high):
+            bound = f"at least {low}" if high == math.inf else f"between {low} and {high}"
+            raise ValidationError(
+                f"{where} = {number} is out of range for {spec.name}; it must be {bound}"
+            )

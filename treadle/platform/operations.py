@@ -4,9 +4,10 @@ Admission appends `OperationRequested` and the `operations` row in one transacti
 enqueues the wake-up only after commit. A resent (session, seq_id) returns the same request id; a
 different payload under a used seq_id is refused. A training seq_id refused at admission is
 remembered (not logged: a refused request appends no event), and the worker applies the next
-operation after it at once, as if the refused seq_id had never been reserved. Settlement appends
-`OperationCompleted` (with the state hashes of a state-changing operation) or `OperationFailed`
-in one transaction guarded by the worker's lease epoch.
+operation after it at once, as if the refused seq_id had never been reserved. A pending operation
+cancelled by its client (`cancellation.cancel`) fails in place and its training seq_id is passed over the same
+way. Settlement appends `OperationCompleted` (with the state hashes of a state-changing operation)
+or `OperationFailed` in one transaction guarded by the worker's lease epoch.
 Imports nothing from api, gpu_worker or torch.
 """
 
@@ -30,6 +31,9 @@ from treadle.platform.schema import events as event_rows
 from treadle.platform.schema import operations, refused_seqs, sessions
 from treadle.platform.sessions import SessionStatus, expired_message, get_session
 from treadle.platform.tenants import Principal
+
+# The error code of an operation its client cancelled before it finished (`cancel`).
+CANCELLED = "request_cancelled"
 
 
 @dataclass(frozen=True)
@@ -179,12 +183,17 @@ def get_operation(
 
 
 def training_op_at(conn: sa.Connection, session_id: str, seq_id: int) -> OperationRow | None:
-    """The session's training operation at `seq_id`, whatever its status."""
+    """The session's training operation at `seq_id`, whatever its status, unless its client
+    cancelled it before it was applied: that seq_id is passed over like a refused one."""
     row = conn.execute(
         sa.select(operations).where(
             operations.c.session_id == session_id,
             operations.c.sampler_id.is_(None),
             operations.c.seq_id == seq_id,
+            sa.or_(
+                operations.c.status != OpStatus.FAILED,
+                operations.c.error["code"].astext.is_distinct_from(CANCELLED),
+            ),
         )
     ).first()
     return None if row is None else _row(row)
@@ -227,16 +236,23 @@ def durations(
     return {int(r[0]): float(r[1] or 0) / 1000 for r in rows}
 
 
-def snapshot_seq(conn: sa.Connection, session_id: str, sampler_id: str) -> int | None:
-    """The seq_id of the completed save_weights_for_sampler that made `sampler_id`'s snapshot."""
+def snapshot_seq(conn: sa.Connection, session_id: str, snapshot_id: str) -> int | None:
+    """The seq_id of the completed save_weights_for_sampler that last wrote `snapshot_id` (a
+    sampler's own snapshot is written once; the session's inflight one at every inflight save)."""
+    written = sa.func.coalesce(
+        operations.c.result["snapshot_id"].astext, operations.c.result["sampling_session_id"].astext
+    )
     return conn.execute(
-        sa.select(operations.c.seq_id).where(
+        sa.select(operations.c.seq_id)
+        .where(
             operations.c.session_id == session_id,
             operations.c.sampler_id.is_(None),
             operations.c.type == OpType.SAVE_WEIGHTS_FOR_SAMPLER,
             operations.c.status == OpStatus.COMPLETED,
-            operations.c.result["sampling_session_id"].astext == sampler_id,
+            written == snapshot_id,
         )
+        .order_by(operations.c.seq_id.desc())
+        .limit(1)
     ).scalar_one_or_none()
 
 
@@ -464,41 +480,3 @@ def skip_gap(
         {"from_seq": first, "to_seq": to_seq - 1, "reason": reason},
     )
     return True
-
-
-def fail_pending(
-    conn: sa.Connection,
-    session_id: str,
-    reason: str,
-    *,
-    code: str = "session_stopped",
-    category: str = "user",
-    actor: str | None = None,
-) -> list[str]:
-    """Fail every pending operation of a stopped (or diverged) session, so no client waits on it
-    forever. A worker finishing one of them concurrently finds it settled and drops its result.
-    """
-    rows = conn.execute(
-        sa.select(operations)
-        .where(operations.c.session_id == session_id, operations.c.status == OpStatus.PENDING)
-        .order_by(operations.c.seq_id)
-        .with_for_update()
-    ).all()
-    error = {"category": category, "code": code, "message": reason}
-    for row in rows:
-        events.append(
-            conn,
-            session_id,
-            row.tenant_id,
-            "OperationFailed",
-            {"request_id": row.request_id, "seq_id": row.seq_id, "type": row.type, "error": error},
-            actor=actor,
-        )
-    if rows:
-        conn.execute(
-            sa.update(operations)
-            .where(operations.c.request_id.in_([r.request_id for r in rows]))
-            .values(status=OpStatus.FAILED, error=error, completed_at=sa.func.now())
-        )
-        metering_core.release(conn, [r.request_id for r in rows])
-    return [r.request_id for r in rows]

@@ -174,14 +174,26 @@ class SaveWeights(Payload):
 
 
 class SaveWeightsForSampler(Payload):
-    """Freeze the adapter's current weights as an ephemeral sampler's snapshot."""
+    """Freeze the adapter's current weights as an ephemeral sampler's snapshot: its own
+    (`snapshot`), or the session's one inflight snapshot (`inflight_snapshot_id`), which every
+    inflight sampler of the session shares and each inflight save replaces."""
 
     TYPE = OpType.SAVE_WEIGHTS_FOR_SAMPLER
     sampler_id: str
+    snapshot_id: str | None = None  # None: the sampler's own snapshot, named like it
+
+    @property
+    def snapshot(self) -> str:
+        return self.snapshot_id or self.sampler_id
 
     @property
     def is_replayed(self) -> bool:
         return True  # a rebuilt session's samplers need their snapshots back
+
+
+def inflight_snapshot_id(session_id: str) -> str:
+    """The snapshot a training session's inflight samplers share."""
+    return f"{session_id}#inflight"
 
 
 class SamplingParams(BaseModel):
@@ -194,6 +206,19 @@ class SamplingParams(BaseModel):
     stop: list[str] | list[int] | None = None
 
 
+class PromptTargets(BaseModel):
+    """target_prompt_logprobs: an int64 [rows, k] table of token ids (-1: nothing), dense
+    (`ids` row-major) or sparse CSR (`ids` holds the listed cells only), as the client sent it;
+    the result mirrors its layout."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    rows: int
+    k: int
+    ids: list[int]
+    crow_indices: list[int] | None = None
+    col_indices: list[int] | None = None
+
+
 class Sample(Payload):
     TYPE = OpType.SAMPLE
     is_ordered = False
@@ -204,6 +229,10 @@ class Sample(Payload):
     prompt_logprobs: bool
     topk_prompt_logprobs: int = 0
     params: SamplingParams
+    prompt_logprobs_last_n: int | None = None
+    target_prompt_logprobs: PromptTargets | None = None
+    prompt_alt_tokens_k: int = 0
+    topk_sample_logprobs: int = 0
 
 
 class RebuildMode(StrEnum):

@@ -131,6 +131,8 @@ samplers = sa.Table(
     sa.Column("model_path", sa.Text),
     sa.Column("checkpoint_prefix", sa.Text),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    # clones that joined it (join_sampling_session); the original client is 0
+    sa.Column("clients_joined", sa.BigInteger, nullable=False, server_default="0"),
 )
 
 # Projection: one row per requested operation. Training operations are keyed by
@@ -188,7 +190,20 @@ checkpoints = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("expires_at", sa.DateTime(timezone=True)),
     sa.Column("deleted_at", sa.DateTime(timezone=True)),
+    # published (NULL: private): readable by any tenant's keys (migrations/versions/0007)
+    sa.Column("published_at", sa.DateTime(timezone=True)),
+    sa.Column("published_by", sa.Text),
+    # made by copy_weights: the source path and the request's idempotency key
+    sa.Column("copied_from", sa.Text),
+    sa.Column("copy_request_key", sa.Text),
     sa.Index("ix_checkpoints_tenant", "tenant_id"),
+    sa.Index(
+        "uq_checkpoints_copy_request",
+        "tenant_id",
+        "copy_request_key",
+        unique=True,
+        postgresql_where=sa.text("copy_request_key IS NOT NULL"),
+    ),
     sa.Index(
         "uq_checkpoints_live_path",
         "tinker_path",
@@ -231,6 +246,18 @@ trace_exports = sa.Table(
     sa.Column("token_hash", sa.Text, primary_key=True),
     sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
     sa.Column("client_session_id", sa.Text, sa.ForeignKey("client_sessions.id"), nullable=False),
+    sa.Column("created_by", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+)
+
+# One-hour tokens of external weights download links (only a token's SHA-256 is stored).
+checkpoint_downloads = sa.Table(
+    "checkpoint_downloads",
+    metadata,
+    sa.Column("token_hash", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("checkpoint_id", sa.BigInteger, sa.ForeignKey("checkpoints.id"), nullable=False),
     sa.Column("created_by", sa.Text),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),

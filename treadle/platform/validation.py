@@ -15,7 +15,7 @@ from typing import Any
 
 from treadle.platform.catalog import BaseModelInfo
 from treadle.platform.errors import ValidationError
-from treadle.platform.losses import get_loss_spec, resolve_config
+from treadle.platform.losses import LossSpec, check_config_values, get_loss_spec, resolve_config
 
 # -- forward_backward (protobuf) -------------------------------------------------------------
 MAX_DATUMS = 4096
@@ -63,6 +63,14 @@ MAX_TOP_K = 2**31 - 1  # -1 (or 0): no limit
 MAX_STOP = 64  # stop strings or stop token ids
 MAX_STOP_LENGTH = 256  # characters per stop string
 MAX_TOKEN_ID = 2**31 - 1
+# Top-k logprobs per position (topk_prompt_logprobs, topk_sample_logprobs).
+MAX_TOPK_LOGPROBS = 20
+# prompt_alt_tokens_k: draws per prompt position, and draws per request (len(prompt) x k).
+MAX_PROMPT_ALT_TOKENS_K = 64
+MAX_PROMPT_ALT_TOKENS = 2**18
+# target_prompt_logprobs: columns K of its [len(prompt) - 1, K] table, and cells sent.
+MAX_TARGET_PROMPT_K = 1024
+MAX_TARGET_PROMPT_CELLS = 2**18
 
 
 def validate_forward_backward(payload: dict[str, Any], model: BaseModelInfo) -> None:
@@ -75,12 +83,10 @@ def validate_forward_backward(payload: dict[str, Any], model: BaseModelInfo) -> 
     if len(data) > MAX_DATUMS:
         raise ValidationError(f"{len(data)} datums in one request; send at most {MAX_DATUMS}")
     for i, datum in enumerate(data):
-        _validate_datum(i, datum, spec.inputs, model)
+        _validate_datum(i, datum, spec, model)
 
 
-def _validate_datum(
-    i: int, datum: Mapping[str, Any], required: tuple[str, ...], model: BaseModelInfo
-) -> None:
+def _validate_datum(i: int, datum: Mapping[str, Any], spec: LossSpec, model: BaseModelInfo) -> None:
     tokens = datum["tokens"]
     n = len(tokens)
     if n == 0:
@@ -97,9 +103,18 @@ def _validate_datum(
             f"[0, {model.vocab_size}) of {model.name}"
         )
     inputs = datum["loss_fn_inputs"]
-    for name in required:
+    missing = next((name for name in spec.inputs if name not in inputs), None)
+    if missing is not None:
+        raise ValidationError(f"datum {i}: loss_fn_inputs is missing {missing!r}")
+    unknown = sorted(set(inputs) - set(spec.accepted_inputs))
+    if unknown:
+        raise ValidationError(
+            f"datum {i}: loss_fn_inputs has {unknown}, which loss {spec.name!r} does not read; "
+            f"remove them (it reads {list(spec.accepted_inputs)})"
+        )
+    for name in spec.accepted_inputs:
         if name not in inputs:
-            raise ValidationError(f"datum {i}: loss_fn_inputs is missing {name!r}")
+            continue
         tensor = inputs[name]
         expected = "int64" if name == "target_tokens" else "float32"
         if tensor["dtype"] != expected:
@@ -108,6 +123,12 @@ def _validate_datum(
             raise ValidationError(
                 f"datum {i}: {name} has shape {tensor['shape']} but model_input has {n} tokens; "
                 f"it must be 1-D with {n} entries"
+            )
+        if name in spec.per_token_config:
+            check_config_values(spec, name, tensor["data"], where=f"datum {i}: {name}")
+        if name in spec.nonzero_inputs and not any(tensor["data"]):
+            raise ValidationError(
+                f"datum {i}: {name} marks no token; give at least one token a nonzero value"
             )
     if "target_tokens" in inputs:
         bad = next(
@@ -133,3 +154,88 @@ def validate_prompt(tokens: list[int], model: BaseModelInfo, max_tokens: int) ->
             f"prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the context of "
             f"{model.name} ({model.max_context_length}); shorten the prompt or lower max_tokens"
         )
+
+
+def validate_prompt_scoring(
+    tokens: list[int],
+    model: BaseModelInfo,
+    *,
+    prompt_logprobs: bool,
+    last_n: int | None,
+    alt_tokens_k: int,
+    targets: Mapping[str, Any] | None,
+) -> None:
+    """The asample options that score the prompt, checked against it before anything is
+    appended: `prompt_logprobs_last_n` in [1, len(prompt) - 1] and with prompt logprobs, the
+    alternative draws bounded, and `target_prompt_logprobs` (its JSON TensorData form) an int64
+    [len(prompt) - 1, K] table of token ids or -1 naming at least one id."""
+    rows = len(tokens) - 1
+    if last_n is not None:
+        if not prompt_logprobs:
+            raise ValidationError(
+                "prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs "
+                "(include_prompt_logprobs=True) too, or omit it"
+            )
+        if not 1 <= last_n <= rows:
+            raise ValidationError(
+                f"prompt_logprobs_last_n is {last_n}; it must be between 1 and len(prompt) - 1 "
+                f"= {rows}"
+            )
+    if alt_tokens_k and len(tokens) * alt_tokens_k > MAX_PROMPT_ALT_TOKENS:
+        raise ValidationError(
+            f"prompt_alt_tokens_k = {alt_tokens_k} draws at each of {len(tokens)} prompt tokens "
+            f"is more than {MAX_PROMPT_ALT_TOKENS} draws; lower it or shorten the prompt"
+        )
+    if targets is not None:
+        _validate_targets(targets, rows, model)
+
+
+def _validate_targets(t: Mapping[str, Any], rows: int, model: BaseModelInfo) -> None:
+    where = "target_prompt_logprobs"
+    if t["dtype"] != "int64":
+        raise ValidationError(f"{where} must be an int64 tensor of token ids, got {t['dtype']}")
+    shape = t["shape"]
+    if shape is None or len(shape) != 2 or shape[0] != rows or shape[1] < 1:
+        raise ValidationError(
+            f"{where} has shape {shape}; it must be [len(prompt) - 1, K] = [{rows}, K] with "
+            "K >= 1 (row i scores prompt position i + 1)"
+        )
+    if shape[1] > MAX_TARGET_PROMPT_K:
+        raise ValidationError(f"{where} has {shape[1]} columns; send at most {MAX_TARGET_PROMPT_K}")
+    ids, crow, col = t["data"], t["sparse_crow_indices"], t["sparse_col_indices"]
+    if len(ids) > MAX_TARGET_PROMPT_CELLS:
+        raise ValidationError(
+            f"{where} sends {len(ids)} cells; send at most {MAX_TARGET_PROMPT_CELLS} (a sparse "
+            "CSR tensor sends only the cells it names)"
+        )
+    if (crow is None) != (col is None):
+        raise ValidationError(
+            f"{where}: sparse_crow_indices and sparse_col_indices come together; send both "
+            "(sparse CSR) or neither (dense)"
+        )
+    if crow is None and len(ids) != rows * shape[1]:
+        raise ValidationError(
+            f"{where} holds {len(ids)} ids but its shape {shape} needs {rows * shape[1]}"
+        )
+    if crow is not None and (
+        len(crow) != rows + 1
+        or crow[0] != 0
+        or any(b < a for a, b in zip(crow, crow[1:], strict=False))
+        or crow[-1] != len(col)
+        or len(col) != len(ids)
+        or any(not 0 <= c < shape[1] for c in col)
+    ):
+        raise ValidationError(
+            f"{where} is sparse CSR but its indices do not fit its shape {shape}: "
+            f"sparse_crow_indices needs {rows + 1} entries from 0, never decreasing, ending at "
+            "the number of sparse_col_indices; each column index must be in [0, K), with one "
+            "id in data per column index"
+        )
+    bad = next((i for i in ids if not -1 <= i < model.vocab_size), None)
+    if bad is not None:
+        raise ValidationError(
+            f"{where} holds {bad}, not a token id of {model.name}; use ids in "
+            f"[0, {model.vocab_size}), or -1 for a cell that asks for nothing"
+        )
+    if all(i == -1 for i in ids):
+        raise ValidationError(f"{where} names no token id (every cell is -1); name at least one")

@@ -1,0 +1,107 @@
+"""Quiet long-polls: a user's loop whose operations outlast a long-poll logs no warning.
+
+A long-poll that ends before the result answers 408 `{"type": "try_again"}`, which the tinker SDK
+re-polls silently; a 200 `try_again` made it log "Retrying request ... because of try_again" at
+WARNING on every poll (treadle/api/routes_futures.py). The loop runs the real SDK against a second
+API replica of the served platform (same database, Redis and workers) whose long-poll lasts
+0.2 s, so every operation outlasts several polls.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import secrets
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import tinker
+from tinker import types
+from werkzeug.serving import make_server
+
+from tests.conftest import Platform
+from treadle.api.app import create_app
+from treadle.api.context import Services
+from treadle.client.admin import AdminClient
+from treadle.platform.config import PlatformConfig
+
+pytestmark = pytest.mark.integration
+
+BASE_MODEL = "treadle/tiny-debug"
+LONG_POLL_SECONDS = 0.2
+# The routes that answer a future, each resolved by exactly one successful retrieve_future.
+FUTURE_ROUTES = ("/create_model", "/forward_backward", "/optim_step", "/save_weights_for_sampler",
+                 "/asample")  # fmt: skip
+
+
+@contextlib.contextmanager
+def short_poll_replica(
+    platform: Platform,
+) -> Iterator[tuple[str, collections.Counter[tuple[str, int]]]]:
+    """An API replica of `platform` with a 0.2 s long-poll, served over HTTP on a free port,
+    counting its answers by (path, status)."""
+    config = PlatformConfig(
+        database_url=platform.database_url,
+        redis_url=platform.redis_url,
+        data_dir=platform.data_dir,
+        admin_key=platform.admin_key,
+        long_poll_seconds=LONG_POLL_SECONDS,
+    )
+    app = create_app(config)
+    counts: collections.Counter[tuple[str, int]] = collections.Counter()
+    inner = app.wsgi_app
+
+    def counting(environ: dict[str, Any], start_response: Any) -> Any:
+        def record(status: str, headers: Any, exc_info: Any = None) -> Any:
+            counts[(environ["PATH_INFO"], int(status.split()[0]))] += 1
+            return start_response(status, headers, exc_info)
+
+        return inner(environ, record)
+
+    app.wsgi_app = counting  # type: ignore[method-assign]
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", counts
+    finally:
+        server.shutdown()
+        thread.join(5)
+        svc: Services = app.extensions["treadle"]
+        svc.close()
+
+
+def test_a_loop_longer_than_a_long_poll_logs_no_warning(
+    platform: Platform, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = AdminClient(platform.base_url, platform.admin_key)
+    key = str(admin.create_tenant(f"quiet-polls-{secrets.token_hex(3)}")["api_key"])
+    admin.close()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(1, 40))),
+        loss_fn_inputs={"target_tokens": list(range(2, 41)), "weights": [1.0] * 39},
+    )
+    with short_poll_replica(platform) as (base_url, counts):
+        caplog.set_level(logging.DEBUG)  # every record, from every thread of the SDK
+        service = tinker.ServiceClient(base_url=base_url, api_key=key)
+        training = service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        for _ in range(3):
+            training.forward_backward([datum] * 4, "cross_entropy").result()
+            training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=32, temperature=1.0, seed=0)
+        sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, params).result()
+        service.close("success").result()
+    futures = sum(n for (path, _), n in counts.items() if path.endswith(FUTURE_ROUTES))
+    polls = sum(n for (path, _), n in counts.items() if path == "/api/v1/retrieve_future")
+    assert polls > futures, f"no long-poll ended before its result: {dict(counts)}"
+    loud = [
+        f"{r.name} {r.levelname}: {r.getMessage()}"
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("tinker")
+    ]
+    assert loud == []
+    assert counts[("/api/v1/retrieve_future", 408)] == polls - futures  # each one that ended early
