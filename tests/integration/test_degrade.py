@@ -67,7 +67,8 @@ class Sweep:
         args = {"session_id": ids["finished_session"], "model_id": ids["stopped_model"],
                 "run_id": model, "checkpoint_id": "weights/nope", "sampler": ids["sampler"],
                 "filename": "nope", "key_id": "key-nope", "tenant_id": "degrade-nope",
-                "token": "nope"}  # fmt: skip
+                "token": "nope", "org": "treadle", "name": "tiny-debug", "revision": "main",
+                "path": "tokenizer.json"}  # fmt: skip
         for rule in sorted(self.app.url_map.iter_rules(), key=lambda r: r.rule):
             path = rule.rule
             for name in rule.arguments:
