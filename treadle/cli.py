@@ -78,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         return cmd_up(config, args.host, args.port, args.workers)
     if args.command == "worker":
+        # Before torch loads OpenMP: its idle threads sleep instead of spinning. Spinning after
+        # every parallel region took several times the CPU an operation needs, on the cores the
+        # API, PostgreSQL and Redis need to answer it (docs/benchmarks.md, "Round trip through
+        # the SDK"). An explicit setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from treadle.gpu_worker.runtime import run_worker
         from treadle.platform.supervisor import default_worker_id
 

@@ -119,6 +119,33 @@ def test_idle_adapter_moves_to_host_memory_and_back(cache_dir: Path) -> None:
         np.testing.assert_allclose(weight, theirs[name], rtol=0, atol=1e-5, err_msg=name)
 
 
+def test_adapter_paged_out_from_the_device_comes_back_onto_it(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    engine = Engine(cache_dir=cache_dir, device="cuda", max_loaded_adapters=1, spill_dir=tmp_path)
+    adapter = new_adapter(engine)
+    train(engine, adapter, 2, adam=GRAD_PROBE)
+    engine.forward_backward(adapter, DATA[:2], "cross_entropy")  # grads pending over paging
+    pending = engine.adapter_grads(adapter)
+    neighbour = new_adapter(engine)  # pages `adapter` out, straight from the device
+    assert list(engine.spilled_adapters()) == [adapter]
+    engine.optim_step(adapter, GRAD_PROBE)
+    assert engine.adapter_device(adapter).type == "cuda"
+    assert list(engine.spilled_adapters()) == [neighbour]
+    # The same history on an engine that never pages: the grads came back exactly, then the
+    # same step on the same device.
+    alone = Engine(cache_dir=cache_dir, device="cuda")
+    reference = new_adapter(alone)
+    train(alone, reference, 2, adam=GRAD_PROBE)
+    alone.forward_backward(reference, DATA[:2], "cross_entropy")
+    for name, grad in alone.adapter_grads(reference).items():
+        np.testing.assert_allclose(pending[name], grad, rtol=0, atol=1e-6, err_msg=name)
+    alone.optim_step(reference, GRAD_PROBE)
+    ours, theirs = engine.adapter_weights(adapter), alone.adapter_weights(reference)
+    for name, weight in ours.items():
+        np.testing.assert_allclose(weight, theirs[name], rtol=0, atol=1e-5, err_msg=name)
+
+
 @pytest.mark.slow
 def test_smollm2_trains_and_samples_in_bf16(cache_dir: Path) -> None:
     engine = Engine(cache_dir=cache_dir, device="cuda")

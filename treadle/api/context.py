@@ -6,7 +6,7 @@ Imports platform only; never torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -15,13 +15,16 @@ from flask import current_app, g, request
 from redis import Redis
 
 from treadle.api import body
-from treadle.platform import commands, notify, quotas, storage, tenants
+from treadle.platform import commands, db, notify, quotas, storage, tenants
+from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import ValidationError
 
 # How long a client should wait after a dependency failed (the Retry-After header). The tinker
 # SDK's ordinary requests honour it (up to 60 s; tinker/_base_client.py _calculate_retry_timeout).
 RETRY_AFTER_SECONDS = 5
+# Sessions whose base model an API process remembers (`base_model_of`); past this it starts over.
+MAX_REMEMBERED_SESSIONS = 100_000
 
 
 @dataclass
@@ -41,6 +44,8 @@ class Services:
     probe_db: sa.Engine
     probe_redis: Redis
     rate_limiter: quotas.RateLimiter
+    # (tenant id, session id) -> base model, for sessions this process has seen (`base_model_of`)
+    base_models: dict[tuple[str, str], str] = field(default_factory=dict)
 
     @property
     def deps(self) -> commands.Deps:
@@ -67,6 +72,23 @@ def services() -> Services:
 
 def principal() -> tenants.Principal:
     return g.principal  # type: ignore[no-any-return]
+
+
+def base_model_of(session_id: str) -> str:
+    """The base model of the caller's session `session_id` (NotFoundError, a 404, for a missing
+    or another tenant's one). A session's base model never changes, so each API process reads it
+    once per session, not on every training request; its status and lease are read where they
+    matter, in the admission's transaction."""
+    svc, who = services(), principal()
+    key = (who.tenant_id, session_id)
+    base_model = svc.base_models.get(key)
+    if base_model is None:
+        with db.reading(svc.db) as conn:
+            base_model = sessions_core.get_session(conn, who, session_id).base_model
+        if len(svc.base_models) >= MAX_REMEMBERED_SESSIONS:
+            svc.base_models.clear()
+        svc.base_models[key] = base_model
+    return base_model
 
 
 def json_body() -> Any:

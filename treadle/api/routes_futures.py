@@ -18,7 +18,7 @@ from flask import Blueprint, Response, jsonify
 from treadle.api.context import json_body, principal, services
 from treadle.api.schemas import RetrieveFuture, parse
 from treadle.api.wire import encode_forward_backward_output, encode_sample_response
-from treadle.platform import operations
+from treadle.platform import db, operations
 from treadle.platform.optypes import OpStatus, OpType
 
 bp = Blueprint("futures", __name__)
@@ -43,7 +43,7 @@ def retrieve_future() -> Any:
     who = principal()
 
     def check() -> operations.OperationRow | None:
-        with svc.db.connect() as conn:
+        with db.reading(svc.db) as conn:
             op = operations.get_operation(conn, who, body.request_id)
         return op if op.is_done else None
 

@@ -22,7 +22,7 @@ from flask import Blueprint, jsonify
 from treadle.api.context import json_body, principal, services
 from treadle.api.schemas import parse
 from treadle.api.schemas_tinker_extras import CancelFuture, RetrieveFutures
-from treadle.platform import futures
+from treadle.platform import db, futures
 
 bp = Blueprint("tinker_futures", __name__)
 
@@ -35,7 +35,7 @@ def retrieve_futures() -> Any:
     sampler, clone = body.target.sampling_session_id, body.target.cloned_sampler_id
 
     def check() -> list[futures.Completion] | None:
-        with svc.db.connect() as conn:
+        with db.reading(svc.db) as conn:
             done = futures.completions(conn, who, sampler, clone, after=body.prev_cursor)
         return done or None
 

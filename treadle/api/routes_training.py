@@ -11,7 +11,7 @@ from typing import Any
 from flask import Blueprint, jsonify, request
 
 from treadle.api.admission import expect_seq, parse_training, submit
-from treadle.api.context import json_body, principal, services
+from treadle.api.context import base_model_of, json_body, principal, services
 from treadle.api.schemas import CreateModel, ModelRef, OptimStep, parse
 from treadle.api.wire import decode_forward_backward
 from treadle.platform import catalog, commands, optypes, prices, validation
@@ -94,9 +94,7 @@ def forward_backward() -> Any:
     model_id, payload = decoded["model_id"], decoded["payload"]
     if decoded["seq_id"] < 1:
         raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
-    with services().db.connect() as conn:
-        session = sessions_core.get_session(conn, principal(), model_id)
-    validation.validate_forward_backward(payload, catalog.get_base_model(session.base_model))
+    validation.validate_forward_backward(payload, catalog.get_base_model(base_model_of(model_id)))
     admission = submit(model_id, decoded["seq_id"], optypes.ForwardBackward.model_validate(payload))
     return jsonify(request_id=admission.request_id, model_id=model_id)
 

@@ -1,17 +1,17 @@
 """The training and sampling engine: LoRA adapters on shared base models, addressed by id.
 
-Owns adapters (weights, accumulated grads, Adam state), snapshots for sampling, the base models
-they share (one per name, loaded lazily) and which adapters are resident on the accelerator (at
-most `max_resident_adapters`; idle ones move to host memory and come back on use, never dropped).
+Owns adapters (weights, accumulated grads, Adam state), snapshots for sampling and the base models
+they share (one per name, loaded lazily). Idle adapters page out and come back on use, never
+dropped (`paging`): at most `max_resident_adapters` on the accelerator, at most
+`max_loaded_adapters` in memory at all, the rest in spill files on local disk.
 Knows token ids, not HTTP or databases: a prepared batch goes in, one result or one error comes
-out. Losses live in `losses`, the decode loop in `sampler`, the LoRA mechanics in `lora`.
+out. Losses live in `losses`, the decode loop in `batching`, the LoRA mechanics in `lora`.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +20,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from treadle.gpu_worker import adapter_files, fingerprint, sampler
+from treadle.gpu_worker import adapter_files, batching, fingerprint, sampler
+from treadle.gpu_worker.batching import SampleJob, SampleRequest
 from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, LoraWeights, TrainableLora
 from treadle.gpu_worker.losses import EngineDatum, batch_loss, get_loss, microbatches, validate_data
 from treadle.gpu_worker.models import load_base_model
+from treadle.gpu_worker.paging import Paging
 from treadle.gpu_worker.sampler import (
     PromptScoring,
     PromptTargets,
@@ -43,6 +45,8 @@ __all__ = [
     "ForwardBackwardResult",
     "LoraSpec",
     "PromptTargets",
+    "SampleBatch",
+    "SampleRequest",
     "SampleResult",
     "SampledSequence",
     "SamplingSpec",
@@ -90,22 +94,36 @@ class Engine:
 
     `device` None picks CUDA (bfloat16 base weights) when available, else the CPU (float32);
     adapters are float32 everywhere. At most `max_resident_adapters` adapters stay on a CUDA
-    device; the least recently used others wait in host memory (on the CPU nothing moves).
+    device; the least recently used others wait in host memory (on the CPU nothing moves). With
+    `max_loaded_adapters`, at most that many adapters' weights, grads and Adam state stay in
+    memory (the accelerator's included); the least recently used others are written to one file
+    each under `spill_dir` (see `paging`) and read back, bit for bit, when next used. Snapshots
+    for sampling do not count and always stay in memory.
     """
 
     def __init__(
-        self, *, cache_dir: Path, device: str | None = None, max_resident_adapters: int = 16
+        self,
+        *,
+        cache_dir: Path,
+        device: str | None = None,
+        max_resident_adapters: int = 16,
+        max_loaded_adapters: int | None = None,
+        spill_dir: Path | None = None,
     ) -> None:
-        if max_resident_adapters < 1:
-            raise ValueError(f"max_resident_adapters is {max_resident_adapters}; use 1 or more")
         self.cache_dir = Path(cache_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.max_resident_adapters = max_resident_adapters
-        self._offload_device = torch.device("cpu")
+        self.max_loaded_adapters = max_loaded_adapters
         self._bases: dict[str, _Base] = {}
         self._adapters: dict[str, _Adapter] = {}
-        self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._paging = Paging(
+            lambda adapter_id: self._adapters[adapter_id].lora,
+            device=self.device,
+            max_resident=max_resident_adapters,
+            max_loaded=max_loaded_adapters,
+            spill_dir=spill_dir,
+        )
         self._snapshots: dict[str, _Snapshot] = {}
         self._tokenizers: dict[str, PreTrainedTokenizerFast] = {}
         self._lock = threading.RLock()
@@ -138,7 +156,7 @@ class Engine:
         """Forget the adapter, its grads, optimizer state and (unless `keep_snapshots`) the
         snapshots taken from it."""
         with self._lock:
-            adapter = self._adapter(adapter_id)
+            adapter = self._record(adapter_id)
             for snapshot_id in adapter.snapshots:
                 if keep_snapshots:
                     old = self._snapshots[snapshot_id]
@@ -146,15 +164,26 @@ class Engine:
                 else:
                     self._snapshots.pop(snapshot_id, None)
             del self._adapters[adapter_id]
-            self._resident.pop(adapter_id, None)
+            self._paging.forget(adapter_id)  # and its spill file
 
     def resident_adapters(self) -> list[str]:
         """Ids of the adapters counted as on the accelerator, least recently used first."""
         with self._lock:
-            return list(self._resident)
+            return self._paging.resident()
+
+    def loaded_adapters(self) -> list[str]:
+        """Ids of the adapters in memory (accelerator or host), least recently used first."""
+        with self._lock:
+            return self._paging.loaded()
+
+    def spilled_adapters(self) -> dict[str, Path]:
+        """The adapters paged out to disk, each with its spill file."""
+        with self._lock:
+            return self._paging.spilled()
 
     def adapter_device(self, adapter_id: str) -> torch.device:
-        """Where the adapter's weights, grads and Adam moments are now."""
+        """Where the adapter's weights, grads and Adam moments are now (one paged out to disk
+        is read back into host memory first)."""
         with self._lock:
             return self._adapter(adapter_id).lora.device
 
@@ -296,40 +325,77 @@ class Engine:
             targets=target_prompt_logprobs,
             alt_k=prompt_alt_tokens_k,
         )
-        with self._lock:
-            base = self._base(base_model)
-            weights = None
-            if snapshot_id is not None:
-                snap = self._snapshots.get(snapshot_id)
-                if snap is None:
-                    raise NotFoundError(f"snapshot {snapshot_id!r} not found; save weights first")
-                if snap.base_model != base_model:
-                    raise ValidationError(
-                        f"snapshot {snapshot_id!r} belongs to base model {snap.base_model!r}, "
-                        f"not {base_model!r}; sample it with its own base model"
-                    )
-                weights = snap.weights
-            tokens = sampler.validate_sampling(
-                prompt,
-                num_samples,
-                params,
-                vocab_size=base.model.config.vocab_size,
-                max_context_length=base.info.max_context_length,
-                scoring=scoring,
-                topk_sample_logprobs=topk_sample_logprobs,
-            )
-            with base.host.use(weights):
-                return sampler.generate(
-                    base.model,
-                    tokens,
-                    num_samples,
-                    params,
-                    eos_token_id=base.tokenizer.eos_token_id,
-                    decode=lambda ids: str(base.tokenizer.decode(ids)),
-                    scoring=scoring,
-                    topk_sample_logprobs=topk_sample_logprobs,
-                    interrupt=interrupt,
+        request = SampleRequest(
+            base_model, snapshot_id, prompt, num_samples, params, scoring, topk_sample_logprobs
+        )
+        (out,) = self.sample_batch([request], interrupt=interrupt)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def sample_batch(
+        self, requests: Sequence[SampleRequest], *, interrupt: Interrupt | None = None
+    ) -> list[SampleResult | Exception]:
+        """Every request's result (as `sample` returns it) or its error, decoded together in
+        one batch per base model; a request's tokens and logprobs do not depend on the others.
+        `interrupt` is called before each decoding step and what it raises ends the call; each
+        request's own `interrupt` ends only that request, with what it raised as its result."""
+        results: dict[batching.Key, SampleResult | Exception] = {}
+        by_base: dict[str, list[tuple[int, SampleRequest]]] = {}
+        for i, request in enumerate(requests):
+            by_base.setdefault(request.base_model, []).append((i, request))
+        for base_model, keyed in by_base.items():
+            try:
+                batch = self.open_batch(base_model)
+            except (ValidationError, NotFoundError) as exc:
+                results.update((i, exc) for i, _ in keyed)
+                continue
+            results.update(batch.add(keyed))
+            while len(batch):
+                results.update(batch.step(interrupt))
+        return [results[i] for i in range(len(requests))]
+
+    def open_batch(self, base_model: str) -> SampleBatch:
+        """A continuous batch of sample requests on `base_model` (loaded now if it is not):
+        requests join between decoding steps and leave when done (see `batching`)."""
+        return SampleBatch(self, self._base(base_model))
+
+    def _job(self, request: SampleRequest) -> SampleJob:
+        """The request validated, with its snapshot's weights; ValidationError or NotFoundError
+        saying what is wrong."""
+        base = self._base(request.base_model)
+        weights = None
+        if request.snapshot_id is not None:
+            snap = self._snapshots.get(request.snapshot_id)
+            if snap is None:
+                raise NotFoundError(
+                    f"snapshot {request.snapshot_id!r} not found; save weights first"
                 )
+            if snap.base_model != request.base_model:
+                raise ValidationError(
+                    f"snapshot {request.snapshot_id!r} belongs to base model "
+                    f"{snap.base_model!r}, not {request.base_model!r}; sample it with its own "
+                    "base model"
+                )
+            weights = snap.weights
+        tokens = sampler.validate_sampling(
+            request.prompt,
+            request.num_samples,
+            request.params,
+            vocab_size=base.model.config.vocab_size,
+            max_context_length=base.info.max_context_length,
+            scoring=request.scoring,
+            topk_sample_logprobs=request.topk_sample_logprobs,
+        )
+        return SampleJob(
+            tokens,
+            request.num_samples,
+            request.params,
+            request.scoring,
+            request.topk_sample_logprobs,
+            weights,
+            request.interrupt,
+        )
 
     # -- files (formats in `adapter_files`) -----------------------------------------------------
 
@@ -391,24 +457,68 @@ class Engine:
             lora.load_optimizer_state(saved.optimizer)
         return saved.spec, lora
 
-    def _adapter(self, adapter_id: str) -> _Adapter:
+    def _record(self, adapter_id: str) -> _Adapter:
+        """The adapter's record, wherever its tensors are (maybe paged out to disk)."""
         try:
             return self._adapters[adapter_id]
         except KeyError:
             raise NotFoundError(f"adapter {adapter_id!r} not found; create it first") from None
 
+    def _adapter(self, adapter_id: str) -> _Adapter:
+        """The adapter, in memory (read back from disk if it was paged out) but not necessarily
+        on the accelerator, marked most recently used."""
+        adapter = self._record(adapter_id)
+        self._paging.use(adapter_id, on_device=False)
+        return adapter
+
     def _use(self, adapter_id: str) -> _Adapter:
         """The adapter, brought onto the accelerator and marked most recently used; the least
-        recently used others beyond `max_resident_adapters` move to host memory."""
-        adapter = self._adapter(adapter_id)
-        adapter.lora.move_to(self.device)
-        self._resident[adapter_id] = None
-        self._resident.move_to_end(adapter_id)
-        while len(self._resident) > self.max_resident_adapters:
-            idle, _ = self._resident.popitem(last=False)
-            if self.device.type != "cpu":
-                self._adapters[idle].lora.move_to(self._offload_device)
+        recently used others beyond the limits move to host memory or out to disk."""
+        adapter = self._record(adapter_id)
+        self._paging.use(adapter_id, on_device=True)
         return adapter
+
+
+class SampleBatch:
+    """Sample requests on one base model decoded together; `add` and `step` as in
+    `batching.DecodeBatch`, each holding the engine's lock, with a request that fails
+    validation (or names a missing snapshot) finished at once with its error."""
+
+    def __init__(self, engine: Engine, base: _Base) -> None:
+        self._engine = engine
+        self._base_model = base.info.name
+        tokenizer = base.tokenizer
+        self._decoding = batching.DecodeBatch(
+            base.model,
+            base.host,
+            eos_token_id=tokenizer.eos_token_id,
+            decode=lambda ids: str(tokenizer.decode(ids)),
+        )
+
+    def __len__(self) -> int:
+        return len(self._decoding)
+
+    def __contains__(self, key: batching.Key) -> bool:
+        return key in self._decoding
+
+    def add(self, requests: Sequence[tuple[batching.Key, SampleRequest]]) -> batching.Finished:
+        finished: batching.Finished = []
+        jobs: list[tuple[batching.Key, SampleJob]] = []
+        with self._engine._lock:
+            for key, request in requests:
+                try:
+                    if request.base_model != self._base_model:
+                        raise ValidationError(
+                            f"this batch samples {self._base_model!r}, not {request.base_model!r}"
+                        )
+                    jobs.append((key, self._engine._job(request)))
+                except (ValidationError, NotFoundError) as exc:
+                    finished.append((key, exc))
+            return finished + self._decoding.add(jobs)
+
+    def step(self, interrupt: Interrupt | None = None) -> batching.Finished:
+        with self._engine._lock:
+            return self._decoding.step(interrupt)
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

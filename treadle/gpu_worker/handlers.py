@@ -24,7 +24,10 @@ from treadle.gpu_worker.engine import (
     EngineDatum,
     Interrupt,
     LoraSpec,
+    PromptScoring,
     PromptTargets,
+    SampleRequest,
+    SampleResult,
     SamplingSpec,
 )
 from treadle.platform import auto_checkpoints, optypes
@@ -173,6 +176,15 @@ def save_weights_for_sampler(call: Call, p: SaveWeightsForSampler) -> Outcome:
 
 
 def sample(call: Call, p: Sample) -> Outcome:
+    (out,) = call.engine.sample_batch([sample_request(call, p)], interrupt=call.interrupt)
+    if isinstance(out, Exception):
+        raise out
+    return sample_outcome(p, out)
+
+
+def sample_request(call: Call, p: Sample) -> SampleRequest:
+    """What the engine samples for `p` (its checkpoint's weights loaded first if needed); the
+    worker batches these across sessions and turns each result into `sample_outcome`."""
     params = p.params
     spec = SamplingSpec(
         max_tokens=params.max_tokens,
@@ -188,20 +200,28 @@ def sample(call: Call, p: Sample) -> Outcome:
             call.engine, call.store, p.snapshot_id, call.base_model, p.checkpoint_prefix
         )
     targets = p.target_prompt_logprobs
-    out = call.engine.sample(
+    scoring = PromptScoring(
+        logprobs=p.prompt_logprobs,
+        topk=p.topk_prompt_logprobs,
+        last_n=p.prompt_logprobs_last_n,
+        targets=None if targets is None else _prompt_targets(targets),
+        alt_k=p.prompt_alt_tokens_k,
+    )
+    return SampleRequest(
         call.base_model,
         p.snapshot_id,
         p.prompt,
         p.num_samples,
         spec,
-        prompt_logprobs=p.prompt_logprobs,
-        topk_prompt_logprobs=p.topk_prompt_logprobs,
-        prompt_logprobs_last_n=p.prompt_logprobs_last_n,
-        target_prompt_logprobs=None if targets is None else _prompt_targets(targets),
-        prompt_alt_tokens_k=p.prompt_alt_tokens_k,
-        topk_sample_logprobs=p.topk_sample_logprobs,
-        interrupt=call.interrupt,
+        scoring,
+        p.topk_sample_logprobs,
+        call.interrupt,
     )
+
+
+def sample_outcome(p: Sample, out: SampleResult) -> Outcome:
+    """The client's result and the tokens to meter for `p`, sampled as `out`."""
+    targets = p.target_prompt_logprobs
     result: dict[str, Any] = {
         "sequences": [
             {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}

@@ -3,8 +3,10 @@
 A wake-up names a session (and maybe a request); the host reads the log and applies the
 session's next training operations in seq_id order (a duplicate is dropped; a seq_id refused at
 admission is passed over at once; any other gap waits for its request, or is skipped once it has
-waited the gap timeout), runs samples as they come, and settles each outcome in one transaction guarded by
-its lease epoch.
+waited the gap timeout), runs samples in one continuous engine batch across its sessions (those
+waiting join when it starts, those arriving join between decoding steps for its first seconds,
+each leaves as soon as it is done), and settles each outcome in one transaction guarded by its
+lease epoch.
 
 What the host holds in memory is trusted only for the lease epoch and applied seq_id it was built
 for: anything else is rebuilt from the newest automatic checkpoint and a verified replay
@@ -17,6 +19,7 @@ time limit passes. Imports platform and the engine; never api.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -29,8 +32,9 @@ import redis
 import sqlalchemy as sa
 
 from treadle.gpu_worker import faults, handlers, recovery
-from treadle.gpu_worker.engine import Engine
-from treadle.platform import cancellation, events, leases, metrics, notify, operations
+from treadle.gpu_worker.batching import Key
+from treadle.gpu_worker.engine import Engine, SampleBatch, SampleRequest, SampleResult
+from treadle.platform import cancellation, db, events, leases, metrics, notify, operations
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import (
@@ -43,6 +47,26 @@ from treadle.platform.sessions import ADAPTER_KINDS, SessionRow, SessionStatus
 from treadle.platform.storage import ObjectStore
 
 log = logging.getLogger(__name__)
+
+
+# The most sample operations decoding together in one engine batch.
+SAMPLE_BATCH_LIMIT = 32
+# Samples arriving while a batch runs join it between decoding steps during its first seconds
+# only, so that a stream of samples never starves the training operations queued behind it;
+# the database is asked for them at most this often.
+SAMPLE_JOIN_WINDOW_SECONDS = 2.0
+SAMPLE_LOOK_INTERVAL_SECONDS = 0.02
+
+
+@dataclasses.dataclass
+class _Sampling:
+    """A sample operation in the running batch."""
+
+    session: SessionRow
+    op: operations.OperationRow
+    payload: Sample
+    run: _Running
+    started: float
 
 
 class WorkerClosing(Exception):
@@ -104,6 +128,7 @@ class SessionHost:
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._held: dict[str, _Held] = {}
         self._running: _Running | None = None
+        self._sampling: dict[str, _Running] = {}  # request id -> each sample of the batch
         self.on_not_holder: Any = None  # set by the runtime: stop consuming a lost session
 
     # --- entry points (Celery tasks, the lease keeper) ---------------------------------------
@@ -127,9 +152,9 @@ class SessionHost:
             try:
                 if op is not None and op.sampler_id is not None:
                     if not op.is_done:
-                        self._run_sample(session, op)
+                        self._run_samples(session, op)
                     return
-                self._drain(session_id)
+                self._drain(session_id, session)
             except (recovery.Diverged, recovery.Unrecoverable) as exc:
                 self._halt(session_id, exc)
             except WorkerClosing:
@@ -159,11 +184,17 @@ class SessionHost:
         run = self._running
         return None if run is None else run.op
 
+    def running_samples(self) -> list[operations.OperationRow]:
+        """The sample operations of the batch running now (empty when none)."""
+        return [run.op for run in list(self._sampling.values())]
+
     def cancel(self, request_id: str, reason: str) -> None:
         """Stop the running operation `request_id` at its next step boundary (any thread)."""
         run = self._running
         if run is not None and run.op.request_id == request_id:
             run.cancelled = reason
+        if (sampling := self._sampling.get(request_id)) is not None:
+            sampling.cancelled = reason
 
     def close(self) -> None:
         """The worker is shutting down: interrupt the running operation, start nothing new."""
@@ -171,20 +202,18 @@ class SessionHost:
 
     # --- ordering ---------------------------------------------------------------------------
 
-    def _drain(self, session_id: str) -> None:
+    def _drain(self, session_id: str, read: SessionRow | None = None) -> None:
+        """Apply the session's next training operations in order. `read`: the session as the
+        caller read it a moment ago, under this session's lock (spares the first read)."""
         while not self.closing.is_set():
-            with self.db.connect() as conn:
-                session = sessions_core.get_session(conn, None, session_id)
+            with db.reading(self.db) as conn:  # reads only: no transaction to begin or end
+                session = read or sessions_core.get_session(conn, None, session_id)
+                read = None
                 if session.worker_id != self.worker_id or not session.is_active:
                     return
-                next_seq = session.last_applied_seq + 1
-                op = operations.training_op_at(conn, session_id, next_seq)
+                op, payload, later = _training_op_at(conn, session_id, session.last_applied_seq + 1)
                 oldest = None
-                if op is None:  # seq_ids refused at admission are passed over
-                    refused_to = operations.refused_run(conn, session_id, next_seq)
-                    if refused_to >= next_seq:
-                        op = operations.training_op_at(conn, session_id, refused_to + 1)
-                if op is None:
+                if later:  # a gap before it: how long has it waited?
                     oldest = operations.oldest_pending_training_op(conn, session_id)
             if op is None:
                 if oldest is None or oldest[1] < self.config.gap_timeout_seconds:
@@ -195,7 +224,7 @@ class SessionHost:
             if op.is_done:  # settled by a previous holder; cannot happen with a current lease
                 return
             self._ensure_current(session)
-            self._execute(session, op)
+            self._execute(session, op, parse_payload(op.type, payload))
 
     def _skip(self, session: SessionRow, to_seq: int, reason: str) -> None:
         with self.db.begin() as conn:
@@ -274,11 +303,7 @@ class SessionHost:
 
     # --- execution --------------------------------------------------------------------------
 
-    def _execute(self, session: SessionRow, op: operations.OperationRow) -> None:
-        with self.db.connect() as conn:
-            payload = parse_payload(
-                op.type, events.read_at(conn, op.request_position).data["payload"]
-            )
+    def _execute(self, session: SessionRow, op: operations.OperationRow, payload: Payload) -> None:
         call = self._call(session, op)
         outcome, error, state, seconds = self._run(call, payload, op)
         try:
@@ -308,17 +333,155 @@ class SessionHost:
             if every > 0 and held.steps_since_point >= every:
                 self._write_point(session, op.seq_id)
 
-    def _run_sample(self, session: SessionRow, op: operations.OperationRow) -> None:
+    def _run_samples(self, session: SessionRow, first: operations.OperationRow) -> None:
+        """Run `first` in one continuous batch with the samples waiting on this worker's
+        sessions; more join between decoding steps while the batch is young, and each is
+        settled as soon as it finishes (called holding `session`'s lock)."""
+        payload = self._sample_payload(first)
+        if payload.snapshot_id and not payload.checkpoint_prefix:
+            self._ensure_snapshot(session, payload.snapshot_id)
+        batch = self.engine.open_batch(session.base_model)
+        admitted: dict[str, _Sampling] = {}
+        started = time.monotonic()
+        looked = started - SAMPLE_LOOK_INTERVAL_SECONDS  # look at once
+        with contextlib.ExitStack() as locks:
+            try:
+                self._admit(batch, [(session, first, payload)], admitted)
+                while True:
+                    now = time.monotonic()
+                    if now - started < SAMPLE_JOIN_WINDOW_SECONDS and (
+                        now - looked >= SAMPLE_LOOK_INTERVAL_SECONDS or not len(batch)
+                    ):
+                        room = SAMPLE_BATCH_LIMIT - len(batch)
+                        joining = self._waiting_samples(session, set(admitted), locks, room)
+                        self._admit(batch, joining, admitted)
+                        looked = now
+                    if not len(batch):
+                        return
+                    try:
+                        finished = batch.step(self._closing_interrupt)
+                    except WorkerClosing:
+                        raise  # what was cut short stays pending for the next holder
+                    except Exception as exc:  # the engine failed: every sample in it fails
+                        log.exception("%s: a sample batch failed", self.worker_id)
+                        finished = [(request_id, exc) for request_id in admitted]
+                        self._finish(finished, admitted)
+                        return
+                    self._finish(finished, admitted)
+            finally:
+                self._sampling = {}
+
+    def _admit(
+        self,
+        batch: SampleBatch,
+        samples: list[tuple[SessionRow, operations.OperationRow, Sample]],
+        admitted: dict[str, _Sampling],
+    ) -> None:
+        """Let `samples` join `batch`; those that fail before reaching it, or finish at once,
+        are settled now."""
+        requests: list[tuple[Key, SampleRequest]] = []
+        failed: list[tuple[Key, SampleResult | Exception]] = []
+        for session, op, payload in samples:
+            run = _Running(self, op, self.config.op_time_limit_seconds)
+            admitted[op.request_id] = _Sampling(session, op, payload, run, time.perf_counter())
+            self._sampling[op.request_id] = run
+            call = dataclasses.replace(self._call(session, op), interrupt=run.check)
+            try:
+                requests.append((op.request_id, handlers.sample_request(call, payload)))
+            except Exception as exc:  # e.g. a checkpoint sampler whose files are gone
+                failed.append((op.request_id, exc))
+        if requests:
+            log.info("%s: %d samples join a batch of %d", self.worker_id, len(requests), len(batch))
+        self._finish(failed + batch.add(requests), admitted)
+
+    def _finish(
+        self, finished: list[tuple[Key, SampleResult | Exception]], admitted: dict[str, _Sampling]
+    ) -> None:
+        """Settle each finished sample with its result or its error."""
+        for key, out in finished:
+            if isinstance(out, WorkerClosing):
+                raise out  # it stays pending for the next holder
+            sampling = admitted.pop(str(key))
+            self._sampling.pop(sampling.op.request_id, None)
+            outcome, error = None, None
+            try:
+                if isinstance(out, Exception):
+                    raise out
+                outcome = handlers.sample_outcome(sampling.payload, out)
+            except TreadleError as exc:
+                error = {"category": exc.category, "code": exc.code, "message": exc.message}
+            except Exception as exc:
+                log.error("%s: sample seq %d failed", sampling.session.id, sampling.op.seq_id,
+                          exc_info=exc)  # fmt: skip
+                error = {
+                    "category": "server",
+                    "code": "internal",
+                    "message": f"{type(exc).__name__}: {exc}",
+                }
+            seconds = time.perf_counter() - sampling.started
+            self._settle(sampling.session, sampling.op, outcome, error, None, seconds)
+
+    def _sample_payload(self, op: operations.OperationRow) -> Sample:
         with self.db.connect() as conn:
             payload = parse_payload(
                 op.type, events.read_at(conn, op.request_position).data["payload"]
             )
         assert isinstance(payload, Sample)
-        if payload.snapshot_id and not payload.checkpoint_prefix:
-            self._ensure_snapshot(session, payload.snapshot_id)
-        call = self._call(session, op)
-        outcome, error, state, seconds = self._run(call, payload, op)
-        self._settle(session, op, outcome, error, state, seconds)
+        return payload
+
+    def _waiting_samples(
+        self,
+        session: SessionRow,
+        admitted: set[str],
+        locks: contextlib.ExitStack,
+        limit: int,
+    ) -> list[tuple[SessionRow, operations.OperationRow, Sample]]:
+        """Up to `limit` other pending samples of this worker's active sessions on the same base
+        model, whose weights are ready (a sampler snapshot still to be rebuilt waits for its own
+        wake-up); takes the lock of each other session it includes (skipping a busy one)."""
+        found: list[tuple[SessionRow, operations.OperationRow, Sample]] = []
+        if limit <= 0:
+            return found
+        with self.db.connect() as conn:
+            mine = leases.sessions_leased_to(conn, self.worker_id)
+            pending = operations.stale_pending(conn, mine, 0.0)
+            sessions: dict[str, SessionRow | None] = {session.id: session}
+            for other_session, other_request in pending:
+                if len(found) >= limit:
+                    break
+                if other_request in admitted:
+                    continue
+                if other_session not in sessions:
+                    sessions[other_session] = self._joinable(conn, other_session, locks)
+                s = sessions[other_session]
+                if s is None or s.base_model != session.base_model:
+                    continue
+                op = operations.get_operation(conn, None, other_request)
+                if op.sampler_id is None or op.is_done:
+                    continue
+                payload = parse_payload(
+                    op.type, events.read_at(conn, op.request_position).data["payload"]
+                )
+                assert isinstance(payload, Sample)
+                snap = payload.snapshot_id
+                if snap and not payload.checkpoint_prefix and not self.engine.has_snapshot(snap):
+                    continue
+                found.append((s, op, payload))
+        return found
+
+    def _joinable(
+        self, conn: sa.Connection, session_id: str, locks: contextlib.ExitStack
+    ) -> SessionRow | None:
+        """The session, locked for the rest of the batch, if this worker holds it, it is
+        active and no other thread is busy with it."""
+        s = sessions_core.get_session(conn, None, session_id)
+        if s.worker_id != self.worker_id or not s.is_active:
+            return None
+        lock = self._locks[session_id]
+        if not lock.acquire(blocking=False):
+            return None
+        locks.callback(lock.release)
+        return s
 
     def _call(self, session: SessionRow, op: operations.OperationRow) -> handlers.Call:
         return handlers.Call(
@@ -482,3 +645,21 @@ class SessionHost:
             )
         for request_id in failed:
             notify.publish_done(self.redis, request_id)
+
+
+def _training_op_at(
+    conn: sa.Connection, session_id: str, next_seq: int
+) -> tuple[operations.OperationRow | None, Any, bool]:
+    """(operation, its request's payload, later) for the session's training operation to apply
+    next: the one at `next_seq`, or the one after a run of seq_ids refused at admission starting
+    there (those are passed over). When it has not arrived: (None, None, whether a later one has,
+    i.e. whether there is a gap). One query when it is there, or when nothing is."""
+    found = operations.training_op_from(conn, session_id, next_seq)
+    if found is None:
+        return None, None, False
+    if found[0].seq_id == next_seq:
+        return found[0], found[1], False
+    refused_to = operations.refused_run(conn, session_id, next_seq)
+    if refused_to >= next_seq and found[0].seq_id == refused_to + 1:
+        return found[0], found[1], False
+    return None, None, True

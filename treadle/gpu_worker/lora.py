@@ -1,9 +1,10 @@
-"""Many LoRA adapters on one frozen base model, one active at a time.
+"""Many LoRA adapters on one frozen base model, one active at a time (or one per batch row).
 
 Owns `LoraSpec` (an adapter's rank, alpha, seed and targets), `LoraHost` (wraps the base model's
 target linears once), `LoraWeights` (one adapter's A/B matrices as plain tensors) and
 `TrainableLora` (weights plus accumulated grads and AdamW state, movable between the accelerator
-and host memory as a unit, its Adam state readable and restorable exactly). Adapters and snapshots
+and host memory as a unit, releasable and restorable as a unit for paging to disk, its Adam state
+readable and restorable exactly). Adapters and snapshots
 are just `LoraWeights`; activating one is a pointer swap, so adding an adapter never re-injects
 modules and a frozen copy for sampling costs only its tensors. This is peft's multi-adapter LoRA
 with the bookkeeping Treadle needs (per-adapter targets and rank, seeded init, snapshots); tensor
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ __all__ = [
     "LoraLinear",
     "LoraSpec",
     "LoraWeights",
+    "RowAdapters",
     "TrainableLora",
 ]
 
@@ -129,12 +131,144 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self._host.rows is not None:
+            return self._host.rows.apply(self.name, x, y)
         active = self._host.active
         if active is None or self.name not in active.A:
             return y
-        a_r_in, b_out_r = active.A[self.name], active.B[self.name]
-        delta = F.linear(F.linear(x.to(a_r_in.dtype), a_r_in), b_out_r) * active.scale
-        return y + delta.to(y.dtype)
+        return y + _delta(active, self.name, x).to(y.dtype)
+
+
+def _delta(weights: LoraWeights, name: str, x: torch.Tensor) -> torch.Tensor:
+    a_r_in, b_out_r = weights.A[name], weights.B[name]
+    return F.linear(F.linear(x.to(a_r_in.dtype), a_r_in), b_out_r) * weights.scale
+
+
+class RowAdapters:
+    """Which adapter each batch row runs (None: the bare base model), for `LoraHost.use_rows`.
+
+    One adapter on every row takes the single-adapter path. Otherwise the rows fall into slots
+    of equal width M, and each module applies every slot at once: the rows' activations as
+    [G, M*T, in], two batched matmuls against the slots' A and B stacked along G (transposed,
+    ranks zero-padded to the largest), the deltas added back to their rows. When the rows are
+    runs of one adapter, all of one length and covering every row (16 requests on 16 sessions;
+    n samples each of k requests), a slot is a run and activations and deltas are plain views.
+    Otherwise a slot is a distinct adapter, padded to its largest group of rows, and both are
+    gathered by index. The stacks are built once per module and shared with the `RowAdapters`
+    that follows (`previous`) when it has the same slots, so a batch pays for them only when
+    its set of adapters changes.
+    """
+
+    def __init__(
+        self,
+        weights_R: Sequence[LoraWeights | None],
+        device: torch.device,
+        previous: RowAdapters | None = None,
+    ) -> None:
+        self.weights_R = list(weights_R)
+        self._device = device
+        runs = _runs(self.weights_R)
+        slots: list[LoraWeights] = []
+        self._uniform = all(w is not None for w, _ in runs) and len({n for _, n in runs}) == 1
+        if self._uniform:  # each run its own slot, a view of the batch
+            slots = [w for w, _ in runs if w is not None]
+            rows_G = []
+            start = 0
+            for _, n in runs:
+                rows_G.append(list(range(start, start + n)))
+                start += n
+        else:  # each distinct adapter a slot, its rows gathered
+            rows_G = []
+            for row, weights in enumerate(self.weights_R):
+                if weights is None:
+                    continue
+                g = next((i for i, w in enumerate(slots) if w is weights), None)
+                if g is None:
+                    g = len(slots)
+                    slots.append(weights)
+                    rows_G.append([])
+                rows_G[g].append(row)
+        self.slots = tuple(slots)
+        self.only = slots[0] if len(runs) == 1 and runs[0][0] is not None else None
+        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        if (
+            previous is not None
+            and len(previous.slots) == len(slots)
+            and all(a is b for a, b in zip(previous.slots, slots, strict=True))
+        ):
+            self._stacks = previous._stacks  # the same adapters in the same slots
+        width = max((len(r) for r in rows_G), default=0)
+        self._width = width
+        gather_G_M = [r + [0] * (width - len(r)) for r in rows_G]
+        self._gather_G_M = torch.tensor(gather_G_M, dtype=torch.long, device=device)
+        # where each row's delta sits in the flattened [G*M] deltas; the row past the end (a
+        # zero row) for rows that run the base model alone
+        place_R = [len(slots) * width] * len(self.weights_R)
+        for g, rows in enumerate(rows_G):
+            for m, row in enumerate(rows):
+                place_R[row] = g * width + m
+        self._place_R = torch.tensor(place_R, dtype=torch.long, device=device)
+        self._scale_G = torch.tensor([w.scale for w in slots], device=device)
+
+    def selected(self, keep: list[int]) -> RowAdapters:
+        """The adapters of rows `keep` only, reusing these stacks where it can."""
+        return RowAdapters([self.weights_R[i] for i in keep], self._device, self)
+
+    def merged(self, other: RowAdapters) -> RowAdapters:
+        """These rows and then `other`'s."""
+        return RowAdapters(self.weights_R + other.weights_R, self._device, self)
+
+    def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the base module's output for `x`, [R, T, out]) plus each row's delta."""
+        if self.only is not None:
+            return y if name not in self.only.A else y + _delta(self.only, name, x).to(y.dtype)
+        stacks = self._stack(name)
+        if stacks is None:
+            return y
+        a_G_in_r, b_G_r_out = stacks
+        groups, width, tokens = len(self.slots), self._width, x.shape[1]
+        if self._uniform:
+            x_G_MT_in = x.reshape(groups, width * tokens, -1)
+        else:
+            x_G_MT_in = x[self._gather_G_M].reshape(groups, width * tokens, -1)
+        h_G_MT_r = torch.bmm(x_G_MT_in.to(a_G_in_r.dtype), a_G_in_r)
+        d_G_MT_out = torch.bmm(h_G_MT_r, b_G_r_out) * self._scale_G[:, None, None]
+        if self._uniform:
+            return y + d_G_MT_out.reshape(y.shape).to(y.dtype)
+        d_GM_T_out = d_G_MT_out.reshape(groups * width, tokens, -1)
+        d_GM_T_out = torch.cat([d_GM_T_out, d_GM_T_out.new_zeros(1, *d_GM_T_out.shape[1:])])
+        return y + d_GM_T_out[self._place_R].to(y.dtype)
+
+    def _stack(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Module `name`'s A.T [G, in, r] and B.T [G, r, out] of every slot (zeros for an
+        adapter that does not target it, ranks padded with zeros); None when none targets it."""
+        if name not in self._stacks:
+            present = [w for w in self.slots if name in w.A]
+            if not present:
+                self._stacks[name] = None
+            else:
+                rank = max(w.A[name].shape[0] for w in present)
+                a, b = present[0].A[name], present[0].B[name]
+                a_G = a.new_zeros(len(self.slots), a.shape[1], rank)
+                b_G = b.new_zeros(len(self.slots), rank, b.shape[0])
+                for g, w in enumerate(self.slots):
+                    if name in w.A:
+                        r = w.A[name].shape[0]
+                        a_G[g, :, :r] = w.A[name].T
+                        b_G[g, :r] = w.B[name].T
+                self._stacks[name] = (a_G, b_G)
+        return self._stacks[name]
+
+
+def _runs(weights_R: list[LoraWeights | None]) -> list[tuple[LoraWeights | None, int]]:
+    """(adapter, how many rows) for each run of consecutive rows running the same one."""
+    runs: list[tuple[LoraWeights | None, int]] = []
+    for w in weights_R:
+        if runs and runs[-1][0] is w:
+            runs[-1] = (w, runs[-1][1] + 1)
+        else:
+            runs.append((w, 1))
+    return runs
 
 
 class LoraHost:
@@ -142,6 +276,7 @@ class LoraHost:
 
     def __init__(self, model: nn.Module) -> None:
         self.active: LoraWeights | None = None
+        self.rows: RowAdapters | None = None  # when set, an adapter per row (`use_rows`)
         self.shapes: dict[str, tuple[int, int]] = {}  # module name -> (in_features, out_features)
         targets = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
         found = [
@@ -164,6 +299,15 @@ class LoraHost:
             yield
         finally:
             self.active = previous
+
+    @contextlib.contextmanager
+    def use_rows(self, rows: RowAdapters) -> Iterator[None]:
+        """Run the model with each batch row's own adapter (or none), as `rows` says."""
+        previous, self.rows = self.rows, rows
+        try:
+            yield
+        finally:
+            self.rows = previous
 
     def new_weights(self, spec: LoraSpec, device: torch.device) -> LoraWeights:
         """Fresh trainable weights: A uniform in +-1/sqrt(in_features) (peft's default) drawn from
@@ -211,6 +355,7 @@ class TrainableLora:
     def __init__(self, weights: LoraWeights) -> None:
         self.weights = weights
         self.optimizer = torch.optim.AdamW(weights.parameters())
+        self.is_released = False  # its tensors are freed (paged out) until `restore`
 
     @property
     def device(self) -> torch.device:
@@ -302,6 +447,48 @@ class TrainableLora:
             for key, value in state.items():
                 if key != "step" and isinstance(value, torch.Tensor):
                     state[key] = value.to(device)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the training state under a stable name, without copies: the weights
+        (`weight:<name>`), pending grads (`grad:<name>`, where there are any) and the AdamW state
+        (`adam:<name>:<key>`, where AdamW has any yet), `<name>` as `tensors()` gives it."""
+        assert not self.is_released, "the adapter is paged out; restore it first"
+        out = {}
+        for name, p in self.weights.tensors():
+            out[f"weight:{name}"] = p.data
+            if p.grad is not None:
+                out[f"grad:{name}"] = p.grad
+            for key, value in self.optimizer.state.get(p, {}).items():
+                out[f"adam:{name}:{key}"] = value
+        return out
+
+    def release(self) -> None:
+        """Free every tensor of the training state (save `state_tensors()` first). The parameter
+        objects stay, so the optimizer's settings and the state's keys survive; nothing may use
+        the adapter until `restore`."""
+        for p in self.weights.parameters():
+            p.grad = None
+            p.data = torch.empty(0, device=p.device)
+            self.optimizer.state.pop(p, None)
+        self.is_released = True
+
+    def restore(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Take back, as they are (same bits, same device), the tensors `state_tensors()` gave
+        before `release`."""
+        assert self.is_released, "restore follows release"
+        adam: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith("adam:"):
+                name, _, part = key.removeprefix("adam:").rpartition(":")
+                adam.setdefault(name, {})[part] = value
+        for name, p in self.weights.tensors():
+            p.data = tensors[f"weight:{name}"]
+            grad = tensors.get(f"grad:{name}")
+            if grad is not None:
+                p.grad = grad
+            if name in adam:
+                self.optimizer.state[p] = adam[name]
+        self.is_released = False
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

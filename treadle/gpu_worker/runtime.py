@@ -126,17 +126,18 @@ class LeaseKeeper(threading.Thread):
                 woken.add(session_id)
 
     def interrupt_if_stopped(self) -> None:
-        """Stop the running operation at its next step if its session was stopped meanwhile."""
+        """Stop the running operation (or each sample of the running batch) at its next step
+        if its session was stopped meanwhile."""
         op = self.host.running()
-        if op is None:
-            return
-        with self.host.db.connect() as conn:
-            session = sessions_core.get_session(conn, None, op.session_id)
-            current = operations.get_operation(conn, None, op.request_id)
-        if not session.is_active or current.is_done:
-            self.host.cancel(
-                op.request_id, f"{op.type} was cancelled: model {op.session_id} was stopped"
-            )
+        for running in ([] if op is None else [op]) + self.host.running_samples():
+            with self.host.db.connect() as conn:
+                session = sessions_core.get_session(conn, None, running.session_id)
+                current = operations.get_operation(conn, None, running.request_id)
+            if not session.is_active or current.is_done:
+                self.host.cancel(
+                    running.request_id,
+                    f"{running.type} was cancelled: model {running.session_id} was stopped",
+                )
 
     def hand_off(self, session_id: str, request_id: str | None) -> None:
         """A wake-up for a session this worker no longer holds: stop consuming its queue now
@@ -149,7 +150,12 @@ class LeaseKeeper(threading.Thread):
 
 
 def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO") -> None:
-    engine = Engine(cache_dir=config.cache_dir, device=config.device)
+    engine = Engine(
+        cache_dir=config.cache_dir,
+        device=config.device,
+        max_loaded_adapters=config.max_loaded_adapters or None,  # 0: no limit
+        spill_dir=config.spill_dir(worker_id),
+    )
     host = SessionHost(
         db=db.connect(config.database_url, pool_size=4),
         redis_client=redis.Redis.from_url(config.redis_url),

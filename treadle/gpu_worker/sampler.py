@@ -1,28 +1,24 @@
-"""Batched sampling of continuations of one prompt, with a KV cache.
+"""What a sample request is and how one decoding step chooses its tokens.
 
-Owns `SamplingSpec`, the sample results and the decode loop: prefill the prompt once (scoring it
-as `prompt_scores` is asked), repeat its KV cache for `num_samples` rows, then decode step by step
-with temperature, top-k, top-p, a per-call seeded generator and stop tokens/strings, recording
-each token's logprob and, if asked, the top-k at each step. Knows nothing of adapters: the caller
-activates the weights to sample with. Must not import flask, sqlalchemy, celery or treadle.api.
+Owns `SamplingSpec`, the sample results, their validation and the per-step rules: temperature,
+top-k, top-p, a seeded draw per request (`choose`), stop tokens/strings (`stop_rules`). The decode
+loop that runs many requests together with a KV cache is `batching`'s. Must not import flask,
+sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
 
 import inspect
 import operator
-import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from treadle.gpu_worker.prompt_scores import (
     PromptScoring,
     PromptTargets,
-    score_prompt,
-    topk_logprobs,
     validate_scoring,
 )
 from treadle.platform.errors import ValidationError
@@ -34,12 +30,13 @@ __all__ = [
     "SampleResult",
     "SampledSequence",
     "SamplingSpec",
-    "generate",
+    "choose",
+    "stop_rules",
     "validate_sampling",
 ]
 # The alternative-token draws use their own generator, so asking for them leaves the sampled
 # continuations of a seeded request unchanged.
-_ALT_SEED_OFFSET = 0x9E3779B97F4A7C15
+ALT_SEED_OFFSET = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
@@ -149,101 +146,7 @@ def validate_sampling(
     return tokens
 
 
-def generate(
-    model: PreTrainedModel,
-    prompt: Sequence[int],
-    num_samples: int,
-    params: SamplingSpec,
-    *,
-    eos_token_id: int | None,
-    decode: Callable[[list[int]], str],
-    scoring: PromptScoring | None = None,
-    topk_sample_logprobs: int = 0,
-    interrupt: Callable[[], None] | None = None,
-) -> SampleResult:
-    """Sample `num_samples` continuations of `prompt` with whatever weights `model` runs now,
-    scoring the prompt as `scoring` asks (see `prompt_scores`) and, with `topk_sample_logprobs`
-    = k > 0, the k likeliest tokens at each sampled position. `interrupt` is called before each
-    decoding step; what it raises ends the call.
-
-    Per-token logprobs are under softmax(logits / temperature) before top-k/top-p truncation
-    (under softmax(logits) when greedy); prompt logprobs under softmax(logits). Call
-    `validate_sampling` first.
-    """
-    scoring = scoring or PromptScoring()
-    device = next(model.parameters()).device
-    seed = params.seed if params.seed is not None else secrets.randbits(63)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    stop_ids, stop_strings = _stop_rules(params.stop, eos_token_id)
-    tokens_N: list[list[int]] = [[] for _ in range(num_samples)]
-    logprobs_N: list[list[float]] = [[] for _ in range(num_samples)]
-    topk_N: list[list[list[tuple[int, float]]]] = [[] for _ in range(num_samples)]
-    reasons: list[str | None] = [None] * num_samples
-
-    with torch.inference_mode():
-        prompt_1_P = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-        cache = DynamicCache(config=model.config)
-        kwarg = _cache_kwarg(model)
-        keep = scoring.logits_to_keep(len(prompt))
-        out = model(input_ids=prompt_1_P, use_cache=True, logits_to_keep=keep, **{kwarg: cache})
-        logits_1_K_V = out.logits.float()
-        scores = score_prompt(
-            logits_1_K_V[0],
-            prompt,
-            scoring,
-            temperature=params.temperature,
-            generator=torch.Generator(device=device).manual_seed((seed + _ALT_SEED_OFFSET) % 2**64),
-        )
-        if params.max_tokens > 0:
-            cache.batch_repeat_interleave(num_samples)
-            logits_N_V = logits_1_K_V[:, -1].expand(num_samples, -1)
-        for step in range(params.max_tokens):
-            if interrupt is not None:
-                interrupt()
-            chosen_N, lp_N = _choose(logits_N_V, params, generator)
-            topk_rows = (
-                topk_logprobs(_sampling_logits(logits_N_V, params), topk_sample_logprobs)
-                if topk_sample_logprobs
-                else None
-            )
-            for row, (token, lp) in enumerate(zip(chosen_N.tolist(), lp_N.tolist(), strict=True)):
-                if reasons[row] is not None:
-                    continue
-                tokens_N[row].append(token)
-                logprobs_N[row].append(lp)
-                if topk_rows is not None:
-                    topk_N[row].append(topk_rows[row])
-                if token in stop_ids or (
-                    stop_strings and any(s in decode(tokens_N[row]) for s in stop_strings)
-                ):
-                    reasons[row] = "stop"
-            if all(r is not None for r in reasons) or step == params.max_tokens - 1:
-                break
-            out = model(input_ids=chosen_N[:, None], use_cache=True, **{kwarg: cache})
-            logits_N_V = out.logits[:, -1].float()
-
-    sequences = [
-        SampledSequence(
-            tokens=t,
-            logprobs=lp,
-            stop_reason=r or "length",
-            topk_logprobs=topk if topk_sample_logprobs else None,
-        )
-        for t, lp, r, topk in zip(tokens_N, logprobs_N, reasons, topk_N, strict=True)
-    ]
-    return SampleResult(
-        sequences=sequences,
-        prompt_logprobs=scores.prompt_logprobs,
-        prefill_tokens=len(prompt),
-        sample_tokens=sum(len(t) for t in tokens_N),
-        topk_prompt_logprobs=scores.topk_prompt_logprobs,
-        target_prompt_logprobs=scores.target_logprobs,
-        prompt_alt_tokens=scores.alt_tokens,
-        prompt_alt_logprobs=scores.alt_logprobs,
-    )
-
-
-def _cache_kwarg(model: PreTrainedModel) -> str:
+def cache_kwarg(model: PreTrainedModel) -> str:
     """transformers 5 renamed `past_key_values` to `cache` (the old name warns, then goes)."""
     parameters = inspect.signature(type(model).forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
@@ -255,7 +158,7 @@ def _stop_tuple(
     return (stop,) if isinstance(stop, str) else stop
 
 
-def _stop_rules(
+def stop_rules(
     stop: tuple[str, ...] | tuple[int, ...] | str | None, eos_token_id: int | None
 ) -> tuple[set[int], tuple[str, ...]]:
     stop = _stop_tuple(stop)
@@ -270,20 +173,20 @@ def _token_logprobs(logits_B_T_V: torch.Tensor, tokens_B_T: torch.Tensor) -> tor
     return picked_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
 
 
-def _sampling_logits(logits_N_V: torch.Tensor, params: SamplingSpec) -> torch.Tensor:
+def sampling_logits(logits_N_V: torch.Tensor, params: SamplingSpec) -> torch.Tensor:
     """The logits whose softmax a token is drawn from before truncation (and its logprob is
     reported under): logits / temperature, the logits themselves when greedy."""
     return logits_N_V if params.temperature == 0.0 else logits_N_V / params.temperature
 
 
-def _choose(
+def choose(
     logits_N_V: torch.Tensor, params: SamplingSpec, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token per row and its logprob (before truncation)."""
     if params.temperature == 0.0:
         chosen_N = logits_N_V.argmax(dim=-1)
         return chosen_N, _token_logprobs(logits_N_V, chosen_N)
-    logprobs_N_V = torch.log_softmax(_sampling_logits(logits_N_V, params), dim=-1)
+    logprobs_N_V = torch.log_softmax(sampling_logits(logits_N_V, params), dim=-1)
     truncated_N_V = logprobs_N_V
     vocab = logprobs_N_V.shape[-1]
     if 0 < params.top_k < vocab:

@@ -47,11 +47,6 @@ class Deps:
     rate_limiter: quotas.RateLimiter | None = None
 
 
-def _requests_per_second(deps: Deps, principal: Principal) -> float | None:
-    with deps.db.connect() as conn:
-        return quotas.get_quota(conn, principal.tenant_id).requests_per_second
-
-
 def submit(
     deps: Deps,
     principal: Principal,
@@ -65,11 +60,16 @@ def submit(
     """Append the request (after `with_request`, in the same transaction), then wake its worker.
 
     The request is in the log once this commits; a wake-up that cannot be sent (the broker is
-    down) is only logged: the worker's lease keeper re-wakes operations left pending.
+    down) is only logged: the worker's lease keeper re-wakes operations left pending. The
+    tenant's quota (request rate, reservation) is read in the same transaction, on the same
+    connection.
     """
-    if deps.config.metering and deps.rate_limiter is not None:
-        deps.rate_limiter.check(principal.tenant_id, _requests_per_second(deps, principal))
     with deps.db.begin() as conn:
+        quota = None
+        if deps.config.metering:
+            quota = quotas.get_quota(conn, principal.tenant_id)
+            if deps.rate_limiter is not None:
+                deps.rate_limiter.check(principal.tenant_id, quota.requests_per_second)
         admission = operations.admit(
             conn,
             principal,
@@ -78,6 +78,7 @@ def submit(
             payload,
             sampler_id=sampler_id,
             metering=deps.config.metering,
+            quota=quota,
         )
         if admission.is_new and with_request is not None:
             with_request(conn)

@@ -13,6 +13,10 @@ from pathlib import Path
 
 DEFAULT_DATA_DIR = Path.home() / ".treadle"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "treadle"
+# Adapters (weights, grads, Adam state) a worker keeps in memory; the least recently used others
+# page out to local disk. 4 keeps 16 SmolLM2-135M sessions of rank 32 within 1.5x one session's
+# memory (docs/benchmarks.md).
+DEFAULT_MAX_LOADED_ADAPTERS = 4
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,9 @@ class PlatformConfig:
     # (see gpu_worker/faults.py). Never set in production.
     debug_faults: bool = False
     device: str | None = None
+    # At most this many adapters (weights, pending grads, Adam state) in a worker's memory; the
+    # least recently used others are written to `spill_dir` and read back when used (0: no limit).
+    max_loaded_adapters: int = DEFAULT_MAX_LOADED_ADAPTERS
     s3_endpoint: str = ""
     s3_bucket: str = "treadle"
     s3_access_key: str = ""
@@ -69,6 +76,10 @@ class PlatformConfig:
     def storage_dir(self) -> Path:
         """The local object store's root when no S3 endpoint is configured."""
         return self.data_dir / "storage"
+
+    def spill_dir(self, worker_id: str) -> Path:
+        """Where worker `worker_id` pages idle adapters out to (its own; local disk)."""
+        return self.data_dir / "spill" / worker_id
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PlatformConfig:
@@ -95,6 +106,9 @@ class PlatformConfig:
             if env.get("TREADLE_PRICES_FILE")
             else None,
             device=env.get("TREADLE_DEVICE") or None,
+            max_loaded_adapters=_whole(
+                env, "TREADLE_MAX_LOADED_ADAPTERS", DEFAULT_MAX_LOADED_ADAPTERS
+            ),
             s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
             s3_bucket=env.get("TREADLE_S3_BUCKET") or "treadle",
             s3_access_key=env.get("TREADLE_S3_ACCESS_KEY") or env.get("AWS_ACCESS_KEY_ID", ""),
@@ -121,6 +135,7 @@ class PlatformConfig:
             "TREADLE_GAP_TIMEOUT_SECONDS": str(self.gap_timeout_seconds),
             "TREADLE_API_THREADS": str(self.api_threads),
             "TREADLE_MAX_BODY_BYTES": str(self.max_body_bytes),
+            "TREADLE_MAX_LOADED_ADAPTERS": str(self.max_loaded_adapters),
         }
         if self.debug_faults:
             env["TREADLE_DEBUG_FAULTS"] = "1"
@@ -150,6 +165,13 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"{name} must be a finite number of 0 or more, got {raw!r}")
     return value
+
+
+def _whole(env: Mapping[str, str], name: str, default: int) -> int:
+    value = _number(env, name, default)
+    if value != int(value):
+        raise ValueError(f"{name} must be a whole number of 0 or more, got {env.get(name)!r}")
+    return int(value)
 
 
 MIN_BODY_BYTES = 64 * 1024

@@ -1,12 +1,14 @@
 """The event store: an append-only log, one stream per session.
 
-`append` takes the session row's lock (it bumps `sessions.last_event_seq`), so appends to one
-session are serialised and numbered 1, 2, 3, ... without gaps; the database refuses UPDATE and
-DELETE on `events`. Event types are past-tense facts. Imports nothing from api, gpu_worker or torch.
+`append` takes the session row's lock (it bumps `sessions.last_event_seq`) and inserts the event
+in one statement, so appends to one session are serialised and numbered 1, 2, 3, ... without
+gaps; the database refuses UPDATE and DELETE on `events`. Event types are past-tense facts.
+Imports nothing from api, gpu_worker or torch.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from treadle.platform.errors import NotFoundError
-from treadle.platform.schema import events, sessions
+from treadle.platform.schema import events
 
 EVENT_TYPES = (
     "SessionCreated",
@@ -50,6 +52,24 @@ class Event:
     created_at: datetime
 
 
+# One statement, so one round trip: lock the session row and bump its counter, then insert the
+# event under that number. Raw SQL on purpose: appends are the hot path (every admission and every
+# settlement), and building and compiling Core statements per call cost the client more CPU than
+# PostgreSQL spent running them (docs/benchmarks.md, "Event store"). benchmarks/events.py also
+# runs this statement through pgbench.
+APPEND_SQL = """
+WITH bumped AS (
+    UPDATE sessions SET last_event_seq = last_event_seq + 1, updated_at = now()
+    WHERE id = %(session_id)s
+    RETURNING last_event_seq
+)
+INSERT INTO events (session_id, seq, type, data, tenant_id, actor)
+SELECT %(session_id)s, last_event_seq, %(type)s, CAST(%(data)s AS jsonb), %(tenant_id)s, %(actor)s
+FROM bumped
+RETURNING position, seq, created_at
+"""
+
+
 def append(
     conn: sa.Connection,
     session_id: str,
@@ -59,29 +79,27 @@ def append(
     *,
     actor: str | None = None,
 ) -> Event:
-    """Append one event to a session's stream inside the caller's transaction."""
+    """Append one event to a session's stream inside the caller's transaction.
+
+    The session row stays locked until the caller's transaction ends, so appends to one session
+    are serialised and numbered without gaps; other sessions' appends do not wait for it. A seq
+    already taken (a row written around `append`) fails on `uq_events_session_seq`.
+    Raises NotFoundError when the session does not exist.
+    """
     assert type in EVENT_TYPES, type
-    seq = conn.execute(
-        sa.update(sessions)
-        .where(sessions.c.id == session_id)
-        .values(last_event_seq=sessions.c.last_event_seq + 1, updated_at=sa.func.now())
-        .returning(sessions.c.last_event_seq)
-    ).scalar_one_or_none()
-    if seq is None:
+    row = conn.exec_driver_sql(
+        APPEND_SQL,
+        {
+            "session_id": session_id,
+            "type": type,
+            "data": json.dumps(dict(data)),
+            "tenant_id": tenant_id,
+            "actor": actor,
+        },
+    ).first()
+    if row is None:
         raise NotFoundError(f"session {session_id} not found")
-    row = conn.execute(
-        events.insert()
-        .values(
-            session_id=session_id,
-            seq=seq,
-            type=type,
-            data=dict(data),
-            tenant_id=tenant_id,
-            actor=actor,
-        )
-        .returning(events.c.position, events.c.created_at)
-    ).one()
-    return Event(row.position, session_id, seq, type, data, tenant_id, actor, row.created_at)
+    return Event(row.position, session_id, row.seq, type, data, tenant_id, actor, row.created_at)
 
 
 def read_stream(

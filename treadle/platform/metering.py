@@ -7,11 +7,15 @@ session's spend cap, and refuses (402) what would exceed either: settled + reser
 a budget, because every admission of a tenant locks its month's row. Completion (`charge`, in
 the settlement's transaction) writes the operation's one usage row at the prices in effect then,
 and releases its reservation; a failed or stopped operation only releases it (`release`).
-Money is integer micro-dollars. Imports nothing from api, gpu_worker or torch.
+Both run in every operation's admission and settlement, so each takes few statements: a month
+row is created, locked and updated by one upsert (`_add_month`). Month rows are always locked in
+(tenant, month) order. Money is integer micro-dollars. Imports nothing from api, gpu_worker or
+torch.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date
@@ -26,6 +30,8 @@ from treadle.platform.schema import reservations, sessions, tenant_months, usage
 from treadle.platform.sessions import SessionRow
 
 CLASSES = prices.TOKEN_CLASSES
+# This calendar month (UTC) as its first day, by the database's clock (its transaction's start).
+THIS_MONTH = sa.cast(sa.func.date_trunc("month", sa.func.timezone("UTC", sa.func.now())), sa.Date)
 
 
 @dataclass(frozen=True)
@@ -69,35 +75,104 @@ def estimate(payload: Payload) -> Tokens:
     return Tokens()
 
 
-def _month(conn: sa.Connection) -> date:
-    """This calendar month (UTC), as its first day."""
-    return conn.execute(
-        sa.select(
-            sa.cast(sa.func.date_trunc("month", sa.func.timezone("UTC", sa.func.now())), sa.Date)
-        )  # fmt: skip
-    ).scalar_one()
-
-
 def _next_month(month: date) -> str:
     year, m = (month.year + 1, 1) if month.month == 12 else (month.year, month.month + 1)
     return f"{year:04d}-{m:02d}-01T00:00:00Z"
 
 
-def _locked_month(conn: sa.Connection, tenant_id: str, month: date) -> sa.Row[Any]:
-    stmt = sa.dialects.postgresql.insert(tenant_months).values(tenant_id=tenant_id, month=month)
-    conn.execute(stmt.on_conflict_do_nothing())
-    return conn.execute(
-        sa.select(tenant_months)
-        .where(tenant_months.c.tenant_id == tenant_id, tenant_months.c.month == month)
-        .with_for_update()
-    ).one()
+# Statements are built once (`functools.cache`, or here): metering runs in every admission and
+# settlement, where building a statement took more CPU than PostgreSQL takes to run it.
+# Parameters are named p_*: a bind parameter may not take the name of a column it writes.
 
 
-def reserve(conn: sa.Connection, session: SessionRow, request_id: str, payload: Payload) -> None:
+@functools.cache
+def _month_upsert(names: tuple[str, ...], this_month: bool) -> Any:
+    """INSERT ... ON CONFLICT DO UPDATE adding p_<name> to each column of `names` in a tenant's
+    month row (p_month, or this month), returning the row as updated."""
+    insert = sa.dialects.postgresql.insert(tenant_months).values(
+        {
+            "tenant_id": sa.bindparam("p_tenant_id"),
+            "month": THIS_MONTH if this_month else sa.bindparam("p_month"),
+            **{name: sa.bindparam(f"p_{name}") for name in names},
+        }
+    )
+    return insert.on_conflict_do_update(
+        index_elements=[tenant_months.c.tenant_id, tenant_months.c.month],
+        set_={name: tenant_months.c[name] + insert.excluded[name] for name in names},
+    ).returning(tenant_months)
+
+
+def _add_month(
+    conn: sa.Connection, tenant_id: str, month: date | None, **deltas: int
+) -> sa.Row[Any]:
+    """Add `deltas` to a tenant's month row (None: this month), creating it if missing, in one
+    statement that keeps the row locked until the transaction ends (as SELECT ... FOR UPDATE
+    would); returns the row as updated."""
+    params: dict[str, Any] = {"p_tenant_id": tenant_id, "p_month": month}
+    params.update({f"p_{name}": delta for name, delta in deltas.items()})
+    return conn.execute(_month_upsert(tuple(deltas), month is None), params).one()
+
+
+@functools.cache
+def _session_update(names: tuple[str, ...]) -> Any:
+    return (
+        sa.update(sessions)
+        .where(sessions.c.id == sa.bindparam("p_session_id"))
+        .values({name: sessions.c[name] + sa.bindparam(f"p_{name}") for name in names})
+    )
+
+
+# A reservation written, and added to its session's, in one statement.
+_RESERVATION = reservations.insert().values(
+    {c: sa.bindparam(f"p_{c}") for c in ("request_id", "tenant_id", "session_id", "month")}
+    | {"micro_usd": sa.bindparam("p_reserved_micro_usd"), "tokens": sa.bindparam("p_tokens")}
+)
+_HOLD = (
+    sa.update(sessions)
+    .where(sessions.c.id == sa.bindparam("p_session_id"))
+    .values(reserved_micro_usd=sessions.c.reserved_micro_usd + sa.bindparam("p_reserved_micro_usd"))
+    .add_cte(_RESERVATION.cte("held"))
+)
+# A completed operation's usage row written and its reservation (if any) deleted, in one
+# statement that also answers this month and what the reservation held.
+USAGE_COLUMNS = (
+    "request_id", "tenant_id", "session_id", "sampler_id", "actor", "base_model", "op_type",
+    "cost_micro_usd", "unpriced",
+    *(f"{c}_{what}" for c in CLASSES for what in ("tokens", "price", "micro_usd")),
+)  # fmt: skip
+_RELEASED = (
+    sa.delete(reservations)
+    .where(reservations.c.request_id == sa.bindparam("p_request_id"))
+    .returning(reservations.c.month, reservations.c.micro_usd, reservations.c.tokens)
+    .cte("released")
+)
+_CLOCK = sa.select(THIS_MONTH.label("this_month")).subquery("clock")
+_CHARGE = (
+    sa.select(_CLOCK.c.this_month, _RELEASED.c.month, _RELEASED.c.micro_usd, _RELEASED.c.tokens)
+    .select_from(_CLOCK.outerjoin(_RELEASED, sa.true()))
+    .add_cte(usage.insert().values({c: sa.bindparam(f"p_{c}") for c in USAGE_COLUMNS}).cte("used"))
+)
+
+
+def reserve(
+    conn: sa.Connection,
+    session: SessionRow,
+    request_id: str,
+    payload: Payload,
+    *,
+    quota: quotas.Quota | None = None,
+) -> None:
     """Hold the operation's most possible cost, or refuse it (402 over a budget or the session's
-    cap, 413 over the largest-request quota). The caller holds the session row's lock."""
+    cap, 413 over the largest-request quota). The caller holds the session row's lock; `quota`
+    is the tenant's if the caller read it already.
+
+    The cost is added to the month's reservations before the budgets are checked (one statement
+    locks the row and adds it): a refusal leaves that write in the caller's transaction, which
+    the error ends without commit, as it does the request's event.
+    """
     tokens = estimate(payload)
-    quota = quotas.get_quota(conn, session.tenant_id)
+    if quota is None:
+        quota = quotas.get_quota(conn, session.tenant_id)
     if quota.max_request_tokens is not None and tokens.total > quota.max_request_tokens:
         raise RequestTooLargeError(
             f"this request may process {tokens.total} tokens; tenant {session.tenant_id}'s "
@@ -111,10 +186,12 @@ def reserve(conn: sa.Connection, session: SessionRow, request_id: str, payload: 
         return
     price = prices.highest_from_now(conn, session.base_model)
     micro = sum(prices.cost_micro_usd(n, price[c]) for c, n in tokens.by_class().items())
-    month = _month(conn)
-    spent = _locked_month(conn, session.tenant_id, month)
+    spent = _add_month(
+        conn, session.tenant_id, None, reserved_micro_usd=micro, reserved_tokens=tokens.total
+    )
+    month = spent.month
     budget = quota.monthly_micro_usd
-    in_use = spent.settled_micro_usd + spent.reserved_micro_usd
+    in_use = spent.settled_micro_usd + spent.reserved_micro_usd - micro
     if budget is not None and in_use + micro > budget:
         raise QuotaExceededError(
             f"this request may cost ${micro / prices.MICRO:.6f}; tenant {session.tenant_id} has "
@@ -127,7 +204,7 @@ def reserve(conn: sa.Connection, session: SessionRow, request_id: str, payload: 
             resets_at=_next_month(month),
         )
     token_budget = quota.monthly_tokens
-    tokens_in_use = spent.settled_tokens + spent.reserved_tokens
+    tokens_in_use = spent.settled_tokens + spent.reserved_tokens - tokens.total
     if token_budget is not None and tokens_in_use + tokens.total > token_budget:
         raise QuotaExceededError(
             f"this request may process {tokens.total} tokens; tenant {session.tenant_id} has "
@@ -150,17 +227,16 @@ def reserve(conn: sa.Connection, session: SessionRow, request_id: str, payload: 
             current=held / prices.MICRO,
         )
     conn.execute(
-        reservations.insert().values(
-            request_id=request_id,
-            tenant_id=session.tenant_id,
-            session_id=session.id,
-            month=month,
-            micro_usd=micro,
-            tokens=tokens.total,
-        )
+        _HOLD,
+        {
+            "p_request_id": request_id,
+            "p_tenant_id": session.tenant_id,
+            "p_session_id": session.id,
+            "p_month": month,
+            "p_reserved_micro_usd": micro,
+            "p_tokens": tokens.total,
+        },
     )
-    _add(conn, session.tenant_id, month, reserved_micro_usd=micro, reserved_tokens=tokens.total)
-    _add_session(conn, session.id, reserved_micro_usd=micro)
 
 
 def charge(
@@ -193,14 +269,18 @@ def charge(
     }
     for c in CLASSES:
         row[f"{c}_tokens"], row[f"{c}_price"], row[f"{c}_micro_usd"] = counts[c], price[c], micro[c]
-    conn.execute(usage.insert().values(**row))
-    release(conn, [request_id])
+    found = conn.execute(_CHARGE, {f"p_{c}": row[c] for c in USAGE_COLUMNS}).one()
     total = sum(micro.values())
-    month = _month(conn)
-    _locked_month(conn, session.tenant_id, month)
-    _add(conn, session.tenant_id, month, settled_micro_usd=total,
-         settled_tokens=sum(counts.values()))  # fmt: skip
-    _add_session(conn, session.id, spent_micro_usd=total)
+    settled = {"settled_micro_usd": total, "settled_tokens": sum(counts.values())}
+    freed = {"reserved_micro_usd": -(found.micro_usd or 0), "reserved_tokens": -(found.tokens or 0)}
+    if found.month is None or found.month == found.this_month:
+        _add_month(conn, session.tenant_id, found.this_month, **settled, **freed)
+    else:  # reserved in an earlier month: that row first (the lock order)
+        _add_month(conn, session.tenant_id, found.month, **freed)
+        _add_month(conn, session.tenant_id, found.this_month, **settled)
+    _add_session(
+        conn, session.id, spent_micro_usd=total, reserved_micro_usd=freed["reserved_micro_usd"]
+    )
     return Charge(session.tenant_id, session.base_model, counts, micro)
 
 
@@ -220,25 +300,22 @@ def release(conn: sa.Connection, request_ids: Sequence[str]) -> int:
             reservations.c.tokens,
         )
     ).all()
-    for r in sorted(rows, key=lambda r: (r.tenant_id, r.month)):  # one lock order for all
-        _locked_month(conn, r.tenant_id, r.month)
-        _add(conn, r.tenant_id, r.month, reserved_micro_usd=-r.micro_usd,
-             reserved_tokens=-r.tokens)  # fmt: skip
-        _add_session(conn, r.session_id, reserved_micro_usd=-r.micro_usd)
+    months: dict[tuple[str, date], list[int]] = {}
+    by_session: dict[str, int] = {}
+    for r in rows:
+        month = months.setdefault((r.tenant_id, r.month), [0, 0])
+        month[0] += r.micro_usd
+        month[1] += r.tokens
+        by_session[r.session_id] = by_session.get(r.session_id, 0) + r.micro_usd
+    for (tenant_id, month_start), (micro, tokens) in sorted(months.items()):  # the lock order
+        _add_month(conn, tenant_id, month_start, reserved_micro_usd=-micro, reserved_tokens=-tokens)
+    for session_id, micro in sorted(by_session.items()):
+        _add_session(conn, session_id, reserved_micro_usd=-micro)
     return sum(r.micro_usd for r in rows)
 
 
-def _add(conn: sa.Connection, tenant_id: str, month: date, **deltas: int) -> None:
-    conn.execute(
-        sa.update(tenant_months)
-        .where(tenant_months.c.tenant_id == tenant_id, tenant_months.c.month == month)
-        .values({name: tenant_months.c[name] + delta for name, delta in deltas.items()})
-    )
-
-
 def _add_session(conn: sa.Connection, session_id: str, **deltas: int) -> None:
-    conn.execute(
-        sa.update(sessions)
-        .where(sessions.c.id == session_id)
-        .values({name: sessions.c[name] + delta for name, delta in deltas.items()})
-    )
+    """Add `deltas` to a session's money columns."""
+    params: dict[str, Any] = {"p_session_id": session_id}
+    params.update({f"p_{name}": delta for name, delta in deltas.items()})
+    conn.execute(_session_update(tuple(deltas)), params)

@@ -101,14 +101,11 @@ class NoticeHub:
     ) -> T | None:
         """Return `check()` once it is not None, or None after `timeout` seconds.
 
-        `check` reads the database; it runs once, then again after registering for the notice (so
-        a notice sent in between is not missed), then on every notice and at least every
-        `recheck_seconds` (every `poll_seconds` while no notice can arrive).
+        `check` reads the database; it runs first once registered for the notice (so a notice
+        sent meanwhile is not missed), then on every notice and at least every `recheck_seconds`
+        (every `poll_seconds` while no notice can arrive).
         """
         deadline = time.monotonic() + timeout
-        value = check()
-        if value is not None:
-            return value
         event = threading.Event()
         self._register(request_id, event)
         try:

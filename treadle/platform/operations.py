@@ -27,6 +27,7 @@ from treadle.platform import metering as metering_core
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
 from treadle.platform.leases import StaleLeaseError, hold
 from treadle.platform.optypes import OpStatus, OpType, Payload
+from treadle.platform.quotas import Quota
 from treadle.platform.schema import events as event_rows
 from treadle.platform.schema import operations, refused_seqs, sessions
 from treadle.platform.sessions import SessionStatus, expired_message, get_session
@@ -34,6 +35,69 @@ from treadle.platform.tenants import Principal
 
 # The error code of an operation its client cancelled before it finished (`cancel`).
 CANCELLED = "request_cancelled"
+
+# Statements built once: they run in every admission, every worker read and every settlement,
+# where building a statement took more CPU than PostgreSQL takes to run it.
+_BY_REQUEST = sa.select(operations).where(operations.c.request_id == sa.bindparam("request_id"))
+_BY_REQUEST_OF_TENANT = _BY_REQUEST.where(operations.c.tenant_id == sa.bindparam("tenant_id"))
+_AT_SEQ = (
+    operations.c.session_id == sa.bindparam("session_id"),
+    operations.c.seq_id == sa.bindparam("seq_id"),
+)
+_UNREFUSE = sa.delete(refused_seqs).where(
+    refused_seqs.c.session_id == sa.bindparam("session_id"),
+    refused_seqs.c.seq_id == sa.bindparam("seq_id"),
+)
+_USED_SEQ = {  # is it a sampler's: the operation already at (session, seq_id)
+    # A training seq_id refused at admission and sent again is now acceptable: it is no hole
+    # (deleted in the same statement; a refusal below rolls that back with the rest).
+    False: sa.select(operations.c.request_id, operations.c.payload_hash, operations.c.type)
+    .where(*_AT_SEQ, operations.c.sampler_id.is_(None))
+    .add_cte(_UNREFUSE.cte("unrefused")),
+    True: sa.select(operations.c.request_id, operations.c.payload_hash, operations.c.type).where(
+        *_AT_SEQ, operations.c.sampler_id == sa.bindparam("sampler_id")
+    ),
+}
+_NOT_CANCELLED = sa.or_(
+    operations.c.status != OpStatus.FAILED,
+    operations.c.error["code"].astext.is_distinct_from(CANCELLED),
+)
+_TRAINING_OP_FROM = (
+    sa.select(operations, event_rows.c.data["payload"].label("request_payload"))
+    .join(event_rows, event_rows.c.position == operations.c.request_position)
+    .where(
+        operations.c.session_id == sa.bindparam("session_id"),
+        operations.c.sampler_id.is_(None),
+        operations.c.seq_id >= sa.bindparam("seq_id"),
+        _NOT_CANCELLED,
+    )
+    .order_by(operations.c.seq_id)
+    .limit(1)
+)
+_OLDEST_PENDING = (
+    sa.select(
+        operations.c.seq_id,
+        sa.func.extract("epoch", sa.func.now() - operations.c.created_at).label("age"),
+    )
+    .where(
+        operations.c.session_id == sa.bindparam("session_id"),
+        operations.c.sampler_id.is_(None),
+        operations.c.status == OpStatus.PENDING,
+    )
+    .order_by(operations.c.seq_id)
+    .limit(1)
+)
+_APPLIED = (
+    sa.update(sessions)
+    .where(sessions.c.id == sa.bindparam("session_id"))
+    .values(
+        last_applied_seq=sa.bindparam("seq_id"),
+        status=sa.case(
+            (sessions.c.status == SessionStatus.CREATED, SessionStatus.RUNNING),
+            else_=sessions.c.status,
+        ),
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -82,10 +146,12 @@ def admit(
     *,
     sampler_id: str | None = None,
     metering: bool = True,
+    quota: Quota | None = None,
 ) -> Admission:
     """Append an operation request (or find the identical one already appended). With
     `metering`, its most possible cost is reserved in the same transaction (or it is refused
-    with a 402/413 and nothing is appended)."""
+    with a 402/413 and nothing is appended); `quota` is the tenant's, if the caller read it
+    already in this transaction."""
     assert payload.is_ordered == (sampler_id is None), (payload.TYPE, sampler_id)
     op_type = payload.TYPE
     if seq_id < 0:
@@ -93,11 +159,9 @@ def admit(
     session = get_session(conn, principal, session_id, for_update=True)
     data = payload.to_json()
     digest = payload_hash(data)
-    key = operations.c.sampler_id == sampler_id if sampler_id else operations.c.sampler_id.is_(None)
+    at = {"session_id": session_id, "seq_id": seq_id}
     existing = conn.execute(
-        sa.select(operations.c.request_id, operations.c.payload_hash, operations.c.type).where(
-            operations.c.session_id == session_id, operations.c.seq_id == seq_id, key
-        )
+        _USED_SEQ[bool(sampler_id)], {**at, "sampler_id": sampler_id} if sampler_id else at
     ).first()
     if existing is not None:
         if existing.payload_hash != digest or existing.type != op_type:
@@ -130,12 +194,6 @@ def admit(
             f"seq_id {seq_id} of {session_id} is behind the last applied operation "
             f"({session.last_applied_seq}); training operations must use increasing seq_ids"
         )
-    if sampler_id is None:  # a refused seq_id sent again, now acceptable: it is no hole
-        conn.execute(
-            sa.delete(refused_seqs).where(
-                refused_seqs.c.session_id == session_id, refused_seqs.c.seq_id == seq_id
-            )
-        )
     request_id = "req-" + uuid.uuid4().hex
     event = events.append(
         conn,
@@ -152,31 +210,34 @@ def admit(
         actor=principal.key_id,
     )
     conn.execute(
-        operations.insert().values(
-            request_id=request_id,
-            tenant_id=principal.tenant_id,
-            session_id=session_id,
-            sampler_id=sampler_id,
-            seq_id=seq_id,
-            type=op_type,
-            status=OpStatus.PENDING,
-            payload_hash=digest,
-            request_position=event.position,
-            actor=principal.key_id,
-        )
+        operations.insert(),
+        {
+            "request_id": request_id,
+            "tenant_id": principal.tenant_id,
+            "session_id": session_id,
+            "sampler_id": sampler_id,
+            "seq_id": seq_id,
+            "type": op_type,
+            "status": OpStatus.PENDING,
+            "payload_hash": digest,
+            "request_position": event.position,
+            "actor": principal.key_id,
+        },
     )
     if metering and not session.is_replay:  # a replay is never billed
-        metering_core.reserve(conn, session, request_id, payload)
+        metering_core.reserve(conn, session, request_id, payload, quota=quota)
     return Admission(request_id, session_id, is_new=True)
 
 
 def get_operation(
     conn: sa.Connection, principal: Principal | None, request_id: str
 ) -> OperationRow:
-    query = sa.select(operations).where(operations.c.request_id == request_id)
-    if principal is not None:
-        query = query.where(operations.c.tenant_id == principal.tenant_id)
-    row = conn.execute(query).first()
+    if principal is None:
+        row = conn.execute(_BY_REQUEST, {"request_id": request_id}).first()
+    else:
+        row = conn.execute(
+            _BY_REQUEST_OF_TENANT, {"request_id": request_id, "tenant_id": principal.tenant_id}
+        ).first()
     if row is None:
         raise NotFoundError(f"request {request_id} not found")
     return _row(row)
@@ -186,17 +247,20 @@ def training_op_at(conn: sa.Connection, session_id: str, seq_id: int) -> Operati
     """The session's training operation at `seq_id`, whatever its status, unless its client
     cancelled it before it was applied: that seq_id is passed over like a refused one."""
     row = conn.execute(
-        sa.select(operations).where(
-            operations.c.session_id == session_id,
-            operations.c.sampler_id.is_(None),
-            operations.c.seq_id == seq_id,
-            sa.or_(
-                operations.c.status != OpStatus.FAILED,
-                operations.c.error["code"].astext.is_distinct_from(CANCELLED),
-            ),
-        )
+        sa.select(operations).where(*_AT_SEQ, operations.c.sampler_id.is_(None), _NOT_CANCELLED),
+        {"session_id": session_id, "seq_id": seq_id},
     ).first()
     return None if row is None else _row(row)
+
+
+def training_op_from(
+    conn: sa.Connection, session_id: str, seq_id: int
+) -> tuple[OperationRow, Any] | None:
+    """The session's training operation with the lowest seq_id >= `seq_id` (passing over those
+    their client cancelled, as `training_op_at` does) and its request's payload, in one query;
+    None when there is none."""
+    row = conn.execute(_TRAINING_OP_FROM, {"session_id": session_id, "seq_id": seq_id}).first()
+    return None if row is None else (_row(row), row.request_payload)
 
 
 def completed_training_ops(
@@ -278,8 +342,21 @@ def settle(
     the same transaction when the operation succeeded (e.g. registering the checkpoint it saved).
     """
     session = hold(conn, op.session_id, worker_id, lease_epoch)
-    current = get_operation(conn, None, op.request_id)
-    if current.is_done:
+    # The outcome, only if the operation is still pending (one statement both checks and
+    # writes); everything else below commits with it or not at all.
+    claimed = conn.execute(
+        sa.update(operations)
+        .where(operations.c.request_id == op.request_id, operations.c.status == OpStatus.PENDING)
+        .values(
+            status=OpStatus.COMPLETED if error is None else OpStatus.FAILED,
+            result=result,
+            error=error,
+            state=None if error is not None or state is None else dict(state),
+            completed_at=sa.func.now(),
+        )
+        .returning(operations.c.request_id)
+    ).first()
+    if claimed is None:
         return Settlement(is_new=False)
     if op.sampler_id is None:
         # Only seq_ids refused at admission may lie between the last applied one and this.
@@ -295,17 +372,7 @@ def settle(
                     refused_seqs.c.session_id == op.session_id, refused_seqs.c.seq_id < op.seq_id
                 )
             )
-        conn.execute(
-            sa.update(sessions)
-            .where(sessions.c.id == op.session_id)
-            .values(
-                last_applied_seq=op.seq_id,
-                status=sa.case(
-                    (sessions.c.status == SessionStatus.CREATED, SessionStatus.RUNNING),
-                    else_=sessions.c.status,
-                ),
-            )
-        )
+        conn.execute(_APPLIED, {"session_id": op.session_id, "seq_id": op.seq_id})
     data = {"request_id": op.request_id, "seq_id": op.seq_id, "type": op.type, **usage}
     charge = None
     if error is None:
@@ -331,17 +398,6 @@ def settle(
         )
         if metering:
             metering_core.release(conn, [op.request_id])
-    conn.execute(
-        sa.update(operations)
-        .where(operations.c.request_id == op.request_id)
-        .values(
-            status=OpStatus.COMPLETED if error is None else OpStatus.FAILED,
-            result=result,
-            error=error,
-            state=None if error is not None or state is None else dict(state),
-            completed_at=sa.func.now(),
-        )
-    )
     return Settlement(is_new=True, charge=charge)
 
 
@@ -364,19 +420,7 @@ def _row(row: sa.Row[Any]) -> OperationRow:
 
 def oldest_pending_training_op(conn: sa.Connection, session_id: str) -> tuple[int, float] | None:
     """(seq_id, age in seconds) of the lowest pending training operation, if any."""
-    row = conn.execute(
-        sa.select(
-            operations.c.seq_id,
-            sa.func.extract("epoch", sa.func.now() - operations.c.created_at).label("age"),
-        )
-        .where(
-            operations.c.session_id == session_id,
-            operations.c.sampler_id.is_(None),
-            operations.c.status == OpStatus.PENDING,
-        )
-        .order_by(operations.c.seq_id)
-        .limit(1)
-    ).first()
+    row = conn.execute(_OLDEST_PENDING, {"session_id": session_id}).first()
     return None if row is None else (int(row.seq_id), float(row.age))
 
 

@@ -130,14 +130,29 @@ def set_price(
     return Price(base_model, token_class, micro, when, principal.key_id)
 
 
+# Built once, with the base model bound at execution: prices are read in every admission and
+# every settlement.
+_IN_EFFECT = (
+    sa.select(prices.c.token_class, prices.c.micro_usd_per_million)
+    .ext(distinct_on(prices.c.token_class))
+    .where(
+        prices.c.base_model == sa.bindparam("base_model"),
+        prices.c.effective_from <= sa.func.now(),
+    )
+    .order_by(prices.c.token_class, prices.c.effective_from.desc(), prices.c.id.desc())
+)
+_LATER = sa.select(prices.c.token_class, prices.c.micro_usd_per_million).where(
+    prices.c.base_model == sa.bindparam("base_model"), prices.c.effective_from > sa.func.now()
+)
+_IN_EFFECT_OR_LATER = sa.union_all(_IN_EFFECT.subquery().select(), _LATER).subquery()
+_HIGHEST_FROM_NOW = sa.select(
+    _IN_EFFECT_OR_LATER.c.token_class, sa.func.max(_IN_EFFECT_OR_LATER.c.micro_usd_per_million)
+).group_by(_IN_EFFECT_OR_LATER.c.token_class)
+
+
 def in_effect(conn: sa.Connection, base_model: str) -> dict[str, int | None]:
     """Each token class's price (micro-USD per million) in effect now; None when unpriced."""
-    rows = conn.execute(
-        sa.select(prices.c.token_class, prices.c.micro_usd_per_million)
-        .ext(distinct_on(prices.c.token_class))
-        .where(prices.c.base_model == base_model, prices.c.effective_from <= sa.func.now())
-        .order_by(prices.c.token_class, prices.c.effective_from.desc(), prices.c.id.desc())
-    ).all()
+    rows = conn.execute(_IN_EFFECT, {"base_model": base_model}).all()
     found = {r.token_class: r.micro_usd_per_million for r in rows}
     return {c: found.get(c) for c in TOKEN_CLASSES}
 
@@ -145,16 +160,9 @@ def in_effect(conn: sa.Connection, base_model: str) -> dict[str, int | None]:
 def highest_from_now(conn: sa.Connection, base_model: str) -> dict[str, int]:
     """Per class, the highest price in effect now or scheduled later: what an admitted operation
     is reserved at, so a price that takes effect before it completes cannot push it past a
-    budget."""
-    current = in_effect(conn, base_model)
-    later = dict(
-        conn.execute(
-            sa.select(prices.c.token_class, sa.func.max(prices.c.micro_usd_per_million))
-            .where(prices.c.base_model == base_model, prices.c.effective_from > sa.func.now())
-            .group_by(prices.c.token_class)
-        ).all()
-    )
-    return {c: max(current[c] or 0, later.get(c) or 0) for c in TOKEN_CLASSES}
+    budget. One query."""
+    highest = dict(conn.execute(_HIGHEST_FROM_NOW, {"base_model": base_model}).all())
+    return {c: highest.get(c) or 0 for c in TOKEN_CLASSES}
 
 
 def list_prices(conn: sa.Connection, base_model: str | None = None) -> list[Price]:

@@ -53,8 +53,11 @@ class Quota:
         }
 
 
+_GET_QUOTA = sa.select(quotas).where(quotas.c.tenant_id == sa.bindparam("tenant_id"))  # per request
+
+
 def get_quota(conn: sa.Connection, tenant_id: str) -> Quota:
-    row = conn.execute(sa.select(quotas).where(quotas.c.tenant_id == tenant_id)).first()
+    row = conn.execute(_GET_QUOTA, {"tenant_id": tenant_id}).first()
     if row is None:
         return Quota()
     return Quota(**{f.name: getattr(row, f.name) for f in fields(Quota)})

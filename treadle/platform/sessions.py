@@ -220,16 +220,26 @@ def create_session(
     return True
 
 
+# Built once: these run several times in every operation (admission, the worker's reads, its
+# settlement), and building a statement took more CPU than PostgreSQL takes to run it.
+_BY_ID = sa.select(sessions).where(sessions.c.id == sa.bindparam("session_id"))
+_BY_ID_OF_TENANT = _BY_ID.where(sessions.c.tenant_id == sa.bindparam("tenant_id"))
+_GET_SESSION = {  # (scoped to a tenant, for update)
+    (False, False): _BY_ID,
+    (True, False): _BY_ID_OF_TENANT,
+    (False, True): _BY_ID.with_for_update(),
+    (True, True): _BY_ID_OF_TENANT.with_for_update(),
+}
+
+
 def get_session(
     conn: sa.Connection, principal: Principal | None, session_id: str, *, for_update: bool = False
 ) -> SessionRow:
     """Look a session up; `principal=None` is the platform itself (workers), unscoped."""
-    query = sa.select(sessions).where(sessions.c.id == session_id)
+    params = {"session_id": session_id}
     if principal is not None:
-        query = query.where(sessions.c.tenant_id == principal.tenant_id)
-    if for_update:
-        query = query.with_for_update()
-    row = conn.execute(query).first()
+        params["tenant_id"] = principal.tenant_id
+    row = conn.execute(_GET_SESSION[principal is not None, for_update], params).first()
     if row is None:
         raise NotFoundError(f"model {session_id} not found")
     return _session_row(row)

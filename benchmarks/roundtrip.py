@@ -1,0 +1,164 @@
+"""Round trip of a trivial operation through the SDKs users use: how long one `forward` on 4
+tokens of `treadle/tiny-debug` (and one `forward_backward`, one `optim_step`) takes from the
+call to its result, one operation at a time, so the numbers are almost all platform overhead.
+
+First the in-process reference: the same forward on the worker's engine in this process. Then
+the embedded platform (`treadle up`, one worker) and, for Treadle's own SDK
+(`treadle.ServiceClient`) and the official `tinker` SDK (`tinker.ServiceClient` pointed at
+Treadle), `--ops` sequential calls of each operation after `--warmup` unmeasured ones; plus the
+same forward through a raw HTTP client (POST, then retrieve_future), which shows what the SDK
+itself adds. Prints p50 / p90 / p99 in milliseconds; record them in docs/benchmarks.md.
+
+Usage: python benchmarks/roundtrip.py [--ops 200] [--warmup 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+import treadle  # noqa: E402
+from tests.integration.wire_client import WireClient  # noqa: E402
+from treadle.client.admin import AdminClient  # noqa: E402
+from treadle.platform.embedded import free_port  # noqa: E402
+from treadle.recipes.platform_process import LocalPlatform  # noqa: E402
+
+BASE_MODEL = "treadle/tiny-debug"
+TOKENS = [5, 6, 7, 8, 9]  # a 4-token model input, its 4 shifted targets
+ADAM = types.AdamParams(learning_rate=0.0)  # the weights stay put: every call does the same
+
+
+def datum() -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)},
+    )
+
+
+def percentiles(samples_ms: list[float]) -> tuple[float, float, float]:
+    cuts = statistics.quantiles(samples_ms, n=100, method="inclusive")
+    return statistics.median(samples_ms), cuts[89], cuts[98]
+
+
+def measure(call: Callable[[], Any], ops: int, warmup: int) -> tuple[float, float, float]:
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(ops):
+        started = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - started) * 1000)
+    return percentiles(samples)
+
+
+def in_process(ops: int, warmup: int) -> tuple[float, float, float]:
+    """The same forward on the worker's engine, in this process (CPU, or CUDA when present)."""
+    from treadle.gpu_worker.engine import Engine
+    from treadle.gpu_worker.lora import LoraSpec
+    from treadle.gpu_worker.losses import EngineDatum
+    from treadle.platform.config import DEFAULT_CACHE_DIR
+
+    engine = Engine(cache_dir=DEFAULT_CACHE_DIR)
+    engine.create_adapter("bench", BASE_MODEL, LoraSpec(rank=8, alpha=32.0, seed=0))
+    data = [
+        EngineDatum(
+            tokens=tuple(TOKENS[:-1]),
+            loss_fn_inputs={
+                "target_tokens": np.asarray(TOKENS[1:], dtype=np.int64),
+                "weights": np.ones(len(TOKENS) - 1, dtype=np.float32),
+            },
+        )
+    ]
+
+    def forward() -> Any:
+        return engine.forward_backward("bench", data, "cross_entropy", forward_only=True)
+
+    result = measure(forward, ops, warmup)
+    engine.drop_adapter("bench")
+    gc.collect()
+    return result
+
+
+def operations(training: Any) -> dict[str, Callable[[], Any]]:
+    """The three trivial operations on a training client of either SDK."""
+    return {
+        "forward": lambda: training.forward([datum()], "cross_entropy").result(),
+        "forward_backward": lambda: training.forward_backward([datum()], "cross_entropy").result(),
+        "optim_step": lambda: training.optim_step(ADAM).result(),
+    }
+
+
+def raw_forward(client: WireClient, model_id: str, seq: list[int]) -> Callable[[], Any]:
+    def call() -> Any:
+        seq[0] += 1
+        response = client.forward_backward(model_id, seq[0], [datum()])
+        response.raise_for_status()
+        return client.result(response.json()["request_id"])
+
+    return call
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ops", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    args = parser.parse_args()
+    rows: list[tuple[str, tuple[float, float, float]]] = []
+    rows.append(("in-process engine forward", in_process(args.ops, args.warmup)))
+    data_dir = Path(tempfile.mkdtemp(prefix="treadle-roundtrip-bench-"))
+    admin_key = "tml-bench-" + secrets.token_hex(8)
+    try:
+        with LocalPlatform(data_dir, free_port(), admin_key, workers=1) as platform:
+            admin = AdminClient(platform.base_url, admin_key)
+            key = admin.create_tenant(f"roundtrip-{secrets.token_hex(3)}")["api_key"]
+            admin.close()
+
+            svc = treadle.ServiceClient(base_url=platform.base_url, api_key=key)
+            training = svc.create_lora_training_client(BASE_MODEL, rank=8, seed=0)
+            for name, call in operations(training).items():
+                rows.append((f"treadle SDK {name}", measure(call, args.ops, args.warmup)))
+            svc.close()
+
+            tsvc = tinker.ServiceClient(base_url=platform.base_url, api_key=key)
+            ttraining = tsvc.create_lora_training_client(BASE_MODEL, rank=8, seed=0).result()
+            for name, call in operations(ttraining).items():
+                rows.append((f"tinker SDK {name}", measure(call, args.ops, args.warmup)))
+            tsvc.close("success").result()
+
+            # Not an SDK: what the platform alone takes, for the SDKs' own share.
+            wire = WireClient(platform.base_url, key)
+            model_id = wire.create_model(BASE_MODEL, rank=8)
+            rows.append(
+                ("raw HTTP forward (no SDK)", measure(raw_forward(wire, model_id, [0]), args.ops,
+                                                      args.warmup))
+            )  # fmt: skip
+            wire.http.close()
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+    print(
+        f"{BASE_MODEL}, 4-token datum, {args.ops} sequential operations after {args.warmup} "
+        "warm-up, milliseconds:"
+    )
+    print(f"  {'':34} {'p50':>8} {'p90':>8} {'p99':>8}")
+    for name, (p50, p90, p99) in rows:
+        print(f"  {name:34} {p50:8.2f} {p90:8.2f} {p99:8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
