@@ -13,16 +13,14 @@ import collections
 import contextlib
 import logging
 import secrets
-import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import tinker
 from tinker import types
-from werkzeug.serving import make_server
 
 from tests.conftest import Platform
+from tests.served_app import served
 from treadle.api.app import create_app
 from treadle.api.context import Services
 from treadle.client.admin import AdminClient
@@ -51,25 +49,10 @@ def short_poll_replica(
         long_poll_seconds=LONG_POLL_SECONDS,
     )
     app = create_app(config)
-    counts: collections.Counter[tuple[str, int]] = collections.Counter()
-    inner = app.wsgi_app
-
-    def counting(environ: dict[str, Any], start_response: Any) -> Any:
-        def record(status: str, headers: Any, exc_info: Any = None) -> Any:
-            counts[(environ["PATH_INFO"], int(status.split()[0]))] += 1
-            return start_response(status, headers, exc_info)
-
-        return inner(environ, record)
-
-    app.wsgi_app = counting  # type: ignore[method-assign]
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_port}", counts
+        with served(app) as (base_url, counts):
+            yield base_url, counts
     finally:
-        server.shutdown()
-        thread.join(5)
         svc: Services = app.extensions["treadle"]
         svc.close()
 

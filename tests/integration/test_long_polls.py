@@ -5,11 +5,10 @@ while PostgreSQL is down, and 150 long-polls of one tenant cost another tenant n
 from __future__ import annotations
 
 import collections
-import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,7 +18,6 @@ import sqlalchemy as sa
 import tinker
 from flask import Flask
 from tinker import types
-from werkzeug.serving import make_server
 
 from tests.integration.degraded import (
     BASE_MODEL,
@@ -29,6 +27,7 @@ from tests.integration.degraded import (
     post,
 )
 from tests.integration.wire_client import WireClient, datum
+from tests.served_app import served
 from treadle.api.context import Services
 from treadle.platform import notify
 
@@ -128,36 +127,12 @@ def test_waiting_long_polls_share_one_subscription_and_hold_no_database_connecti
 # --- the real SDK -----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _served(app: Flask) -> Iterator[tuple[str, collections.Counter[tuple[str, int]]]]:
-    """Serve `app` over HTTP on a free port, counting requests by (path, status)."""
-    counts: collections.Counter[tuple[str, int]] = collections.Counter()
-    inner = app.wsgi_app
-
-    def counting(environ: dict[str, Any], start_response: Any) -> Any:
-        def record(status: str, headers: Any, exc_info: Any = None) -> Any:
-            counts[(environ["PATH_INFO"], int(status.split()[0]))] += 1
-            return start_response(status, headers, exc_info)
-
-        return inner(environ, record)
-
-    app.wsgi_app = counting  # type: ignore[method-assign]
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", counts
-    finally:
-        server.shutdown()
-        thread.join(5)
-
-
 def test_a_polled_sdk_future_backs_off_while_postgres_is_down(
     stack: Stack, make_app: Callable[..., Flask]
 ) -> None:
     outage = 4.0
     app = make_app(long_poll_seconds=2.0)  # a held 503 lasts min(Retry-After, a long-poll)
-    with _served(app) as (base_url, counts):
+    with served(app) as (base_url, counts):
         svc = tinker.ServiceClient(base_url=base_url, api_key=KEY)
         future = svc.create_lora_training_client(BASE_MODEL, rank=4)
         _wait(lambda: any(p.endswith("retrieve_future") for p, _ in counts), 30, "a poll")

@@ -404,20 +404,13 @@ class SessionHost:
             sampling = admitted.pop(str(key))
             self._sampling.pop(sampling.op.request_id, None)
             outcome, error = None, None
+            failed = f"{sampling.session.id}: sample seq {sampling.op.seq_id} failed"
             try:
                 if isinstance(out, Exception):
                     raise out
                 outcome = handlers.sample_outcome(sampling.payload, out)
-            except TreadleError as exc:
-                error = {"category": exc.category, "code": exc.code, "message": exc.message}
             except Exception as exc:
-                log.error("%s: sample seq %d failed", sampling.session.id, sampling.op.seq_id,
-                          exc_info=exc)  # fmt: skip
-                error = {
-                    "category": "server",
-                    "code": "internal",
-                    "message": f"{type(exc).__name__}: {exc}",
-                }
+                error = _error_of(exc, failed)
             seconds = time.perf_counter() - sampling.started
             self._settle(sampling.session, sampling.op, outcome, error, None, seconds)
 
@@ -520,15 +513,8 @@ class SessionHost:
             if payload.is_ordered:
                 self._discard(call.session_id)  # part of it may have run: not in the log
             raise
-        except TreadleError as exc:
-            error = {"category": exc.category, "code": exc.code, "message": exc.message}
         except Exception as exc:  # the engine failed: report it, keep the session going
-            log.exception("%s: %s seq %d failed", call.session_id, op.type, op.seq_id)
-            error = {
-                "category": "server",
-                "code": "internal",
-                "message": f"{type(exc).__name__}: {exc}",
-            }
+            error = _error_of(exc, f"{call.session_id}: {op.type} seq {op.seq_id} failed")
         finally:
             self._running = None
         return outcome, error, state, time.perf_counter() - started
@@ -663,3 +649,12 @@ def _training_op_at(
     if refused_to >= next_seq and found[0].seq_id == refused_to + 1:
         return found[0], found[1], False
     return None, None, True
+
+
+def _error_of(exc: Exception, failed: str) -> dict[str, Any]:
+    """The error an operation settles with: a TreadleError as it says; anything else logged
+    (with `failed` and its traceback) and reported as an internal error."""
+    if isinstance(exc, TreadleError):
+        return {"category": exc.category, "code": exc.code, "message": exc.message}
+    log.error("%s", failed, exc_info=exc)
+    return {"category": "server", "code": "internal", "message": f"{type(exc).__name__}: {exc}"}
