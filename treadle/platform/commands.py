@@ -128,7 +128,11 @@ def open_session(
         )
         if with_session is not None:
             with_session(conn)
-    place(deps, session_id)
+        # Leased in the creating transaction: a session committed unleased would go to whichever
+        # worker's lease keeper saw it first, not to the least loaded one.
+        worker_id = leases.place_session(conn, session_id, deps.config.lease_ttl_seconds)
+    if worker_id is not None:
+        consume(deps, worker_id, session_id)
     return None if first is None else submit(deps, principal, session_id, 0, first)
 
 
@@ -148,19 +152,16 @@ def require_live_worker(conn: sa.Connection, config: PlatformConfig) -> None:
         )
 
 
-def place(deps: Deps, session_id: str) -> None:
-    """Lease a new session to a live worker and have it consume the session's queue.
+def consume(deps: Deps, worker_id: str, session_id: str) -> None:
+    """Have a new session's holder consume its queue.
 
     The lease is the truth: a consume request that cannot be sent (the broker is down) is only
     logged, since the holder's lease keeper starts consuming its sessions' queues by itself.
     """
-    with deps.db.begin() as conn:
-        worker_id = leases.place_session(conn, session_id, deps.config.lease_ttl_seconds)
-    if worker_id is not None:
-        try:
-            routing.start_consuming(deps.celery, worker_id, session_id)
-        except kombu.exceptions.OperationalError as exc:
-            log.warning("could not ask %s to consume %s: %s", worker_id, session_id, exc)
+    try:
+        routing.start_consuming(deps.celery, worker_id, session_id)
+    except kombu.exceptions.OperationalError as exc:
+        log.warning("could not ask %s to consume %s: %s", worker_id, session_id, exc)
 
 
 def stop_session(deps: Deps, principal: Principal, session_id: str) -> None:
