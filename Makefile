@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-integration check bench install clean
+.PHONY: demo test test-integration check bench install prometheus clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -19,13 +19,30 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# A real Prometheus server and promtool for tests/integration/test_prometheus.py: Debian's
+# `prometheus` package, installed only when promtool is missing (as root, or through sudo).
+# Where systemd runs, the package starts its own service on port 9090; the test does not use it
+# (it starts its own server on a free port with its own storage).
+prometheus:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then sudo=; \
+	  elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
+	  else echo "promtool not found: install Prometheus (Debian: apt-get install prometheus) as root"; exit 1; fi; \
+	  command -v apt-get >/dev/null 2>&1 || { echo "promtool not found and no apt-get here: install Prometheus 2.x so that prometheus and promtool are on PATH"; exit 1; }; \
+	  echo "installing Debian's prometheus package (prometheus, promtool)"; \
+	  apt="$$sudo env DEBIAN_FRONTEND=noninteractive apt-get -y -q"; \
+	  $$apt install --no-install-recommends prometheus >/dev/null \
+	  || { $$apt update >/dev/null && $$apt install --no-install-recommends prometheus >/dev/null; } \
+	  || { echo "could not install Debian's prometheus package; install it (apt-get install prometheus) and rerun"; exit 1; }; \
+	}
+
 demo: $(STAMP)
 	$(PY) -m treadle.recipes.demo
 
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) prometheus
 	$(PY) -m pytest -q -p no:cacheprovider -m integration
 
 check: $(STAMP)

@@ -1,9 +1,11 @@
 """The `treadle` command: `up` (the whole embedded platform), `worker`, `migrate`, and the
 HTTP clients' verbs `checkpoints`, `tenants`, `keys`, (in `cli_billing`) `prices`, `quotas`,
-`usage`, `bill`, (in `cli_audit`) `sessions`, `audit` and (in `cli_lineage`) `replay`, `fork`
-(TREADLE_BASE_URL, TREADLE_API_KEY).
+`usage`, `bill`, (in `cli_audit`) `sessions`, `audit`, (in `cli_lineage`) `replay`, `fork` and
+(in `cli_status`) `status` (TREADLE_BASE_URL, TREADLE_API_KEY).
 
-This is an entry point: it builds the PlatformConfig from the environment once and passes it down.
+This is an entry point: it builds the PlatformConfig from the environment once, configures the
+log output from it (`platform.logs`: JSON lines unless `--log-format human` or
+TREADLE_LOG_FORMAT=human) and passes it down.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import os
 import secrets
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from treadle import cli_audit, cli_billing, cli_lineage
+from treadle import cli_audit, cli_billing, cli_lineage, cli_status
+from treadle.platform import logs
 from treadle.platform.config import PlatformConfig
 
 if TYPE_CHECKING:
@@ -35,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=8080)
     up.add_argument("--data-dir", type=Path, default=None)
     up.add_argument("--workers", type=int, default=1)
+    up.add_argument(
+        "--log-format", choices=logs.FORMATS, default=None,
+        help="json (one object a line, the default) or human; overrides TREADLE_LOG_FORMAT "
+        "and applies to the workers' logs too",
+    )  # fmt: skip
     worker = sub.add_parser("worker", help="run one Celery worker that hosts sessions")
     worker.add_argument("--worker-id", default=None)
     worker.add_argument("--index", type=int, default=0)
@@ -57,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     cli_billing.add_parsers(sub)
     cli_audit.add_parsers(sub)
     cli_lineage.add_parsers(sub)
+    cli_status.add_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "checkpoints":
         return cmd_checkpoints(args)
@@ -66,15 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         return cli_audit.run(args)
     if args.command in cli_lineage.VERBS:
         return cli_lineage.run(args)
+    if args.command in cli_status.VERBS:
+        return cli_status.run(args)
     if args.command in ("tenants", "keys"):
         return cmd_admin(args)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("alembic").setLevel(logging.WARNING)
     config = PlatformConfig.from_env()
     if getattr(args, "data_dir", None) is not None:
         config = PlatformConfig.from_env({**os.environ, "TREADLE_DATA_DIR": str(args.data_dir)})
+    if getattr(args, "log_format", None) is not None:
+        config = replace(config, log_format=args.log_format)  # and to the workers, by to_env
+    logs.configure(config.log_format)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     if args.command == "up":
         return cmd_up(config, args.host, args.port, args.workers)
     if args.command == "worker":
@@ -255,7 +267,7 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
         if embedded.redis is not None:
             services["redis"] = embedded.redis
         supervisor = Supervisor(
-            workers=_worker_processes(config, n_workers, log_dir),
+            workers=_worker_processes(config, n_workers, log_dir, host),
             services=services,
             state_path=config.data_dir / "up.json",
             api_url=api_url,
@@ -265,17 +277,19 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
         supervisor.start_workers()
         supervisor.write_state()
         supervisor.start()
-        print(
+        _say(
+            config,
             f"Treadle is up at {api_url} with {n_workers} worker(s)\n"
             f"  operator key: {key_hint}\n  data dir:  {config.data_dir}\n"
             f"  worker logs: {log_dir}",
-            flush=True,
-        )
+            api_url=api_url, workers=n_workers, operator_key=key_hint,
+            data_dir=str(config.data_dir), worker_logs=str(log_dir),
+        )  # fmt: skip
         server.run()  # returns on SIGINT/SIGTERM: waitress swallows the KeyboardInterrupt
     except KeyboardInterrupt:
         pass
     finally:
-        print("Treadle is shutting down", flush=True)
+        _say(config, "Treadle is shutting down")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if supervisor is not None:
@@ -284,22 +298,43 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
     return 0
 
 
-def _worker_processes(config: PlatformConfig, n_workers: int, log_dir: Path) -> list[WorkerProcess]:
+def _say(config: PlatformConfig, text: str, **fields: object) -> None:
+    """A message to whoever runs `treadle up`: printed as it is with the human log format; one
+    record, its facts as fields, with the JSON one (so every line of that output parses)."""
+    if config.log_format == "human":
+        print(text, flush=True)
+    else:
+        log.info(text.splitlines()[0], extra=fields)
+
+
+def _worker_processes(
+    config: PlatformConfig, n_workers: int, log_dir: Path, host: str
+) -> list[WorkerProcess]:
     """How to start each worker: its id is passed explicitly, so a restarted process comes back
-    under the same id (and first retires whatever a previous process of that id held)."""
+    under the same id (and first retires whatever a previous process of that id held). Worker i
+    serves its metrics on TREADLE_WORKER_METRICS_PORT + i (0: each on any free port), on the
+    API's host: no more exposed than the API."""
     from treadle.platform.supervisor import WorkerProcess, default_worker_id
 
     env = {**os.environ, **config.to_env()}
+    # A worker serves its own metrics: in the API's multiprocess folder they would be summed
+    # into the API's /metrics too, and counted twice.
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     workers = []
     for i in range(n_workers):
         worker_id = default_worker_id(config, i)
         argv = [sys.executable, "-m", "treadle.cli", "worker", "--index", str(i)]
+        base = config.worker_metrics_port
+        metrics_env = {
+            "TREADLE_WORKER_METRICS_PORT": str(base + i if base else 0),
+            "TREADLE_WORKER_METRICS_ADDR": host,
+        }
         workers.append(
             WorkerProcess(
                 worker_id=worker_id,
                 index=i,
                 argv=[*argv, "--worker-id", worker_id],
-                env=env,
+                env={**env, **metrics_env},
                 log_path=log_dir / f"worker{i}.log",
             )
         )

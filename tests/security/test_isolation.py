@@ -138,6 +138,7 @@ Cases = Callable[[dict[str, str]], list[Case]]
 CASES: dict[str, Cases | str] = {
     "sessions.healthz": NO_ID,
     "docs.openapi_document": NO_ID,
+    "metrics.prometheus_metrics": "counts by route, type and reason only: no id to name",
     "sessions.client_config": NO_ID,
     "sessions.dynamic_config": NO_ID,
     "sessions.server_capabilities": NO_ID,
@@ -319,6 +320,8 @@ CASES: dict[str, Cases | str] = {
         )  # fmt: skip
     ],
     "admin.list_tenants": lambda i: [Case("GET", "/api/v1/treadle/tenants", expect=403)],
+    # The platform's status is the operator's too: it shows every tenant's session counts.
+    "status.platform_status": lambda i: [Case("GET", "/api/v1/treadle/status", expect=403)],
     "admin.disable_tenant": lambda i: [
         Case(
             "POST",

@@ -27,14 +27,17 @@ from treadle.api import (
     routes_futures,
     routes_hf,
     routes_lineage,
+    routes_metrics,
     routes_sampling,
     routes_sessions,
+    routes_status,
     routes_tinker_billing,
     routes_tinker_extras,
     routes_tinker_futures,
     routes_tinker_sessions,
     routes_training,
     routes_treadle,
+    telemetry,
 )
 from treadle.api.context import Services
 from treadle.platform import db, notify, prices, quotas, storage
@@ -42,7 +45,8 @@ from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import ValidationError
 from treadle.platform.routing import make_celery
 
-PUBLIC_PATHS = ("/healthz", "/api/v1/healthz", "/api/v1/openapi.json")
+# /metrics: Prometheus scrapes without a key (serve the API where only operators reach it).
+PUBLIC_PATHS = ("/healthz", "/api/v1/healthz", "/api/v1/openapi.json", "/metrics")
 # A trace download link carries its own secret token (routes_tinker_sessions.download_trace);
 # /hf/ serves public tokenizer files to hub clients, which send no X-API-Key (routes_hf);
 # an external weights download link carries its own token too (routes_checkpoint_sharing).
@@ -99,8 +103,12 @@ def create_app(config: PlatformConfig) -> Flask:
         routes_checkpoint_sharing,
         routes_tinker_futures,
         routes_tinker_extras,
+        routes_status,
+        routes_metrics,
     ):
         app.register_blueprint(module.bp)
+
+    telemetry.install(app)  # first of the request hooks: its clock starts before the others'
 
     @app.before_request
     def authenticate() -> None:

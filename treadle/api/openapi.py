@@ -50,6 +50,10 @@ ROUTES: dict[str, RouteDoc] = {
         "Health: PostgreSQL, Redis and the live workers (503 unless all are fine)",
         "health", public=True, errors=(503,),
     ),
+    "metrics.prometheus_metrics": RouteDoc(
+        "Prometheus metrics of the API (text exposition format; docs/operations.md, Metrics)",
+        "health", public=True, errors=(),
+    ),
     "sessions.client_config": RouteDoc("Client transport settings for the tinker SDK", "client"),
     "sessions.dynamic_config": RouteDoc("Client settings refreshed while it runs", "client"),
     "sessions.server_capabilities": RouteDoc("The base models this server trains", "client"),
@@ -175,6 +179,10 @@ ROUTES: dict[str, RouteDoc] = {
     "admin.get_key": RouteDoc("One key", "admin"),
     "admin.revoke_key": RouteDoc(
         "Revoke a key: refused from its next request", "admin", errors=(400, 401, 403, 404, 409),
+    ),
+    "status.platform_status": RouteDoc(
+        "Workers (heartbeat age, alive, sessions held, queue depth), live sessions per tenant, "
+        "pending operations and the oldest one (operator)", "admin", errors=(401, 403),
     ),
     "checkpoints.checkpoint_files": RouteDoc("A checkpoint's files", "registry",
                                              query=(("path", "string", True),)),
@@ -396,6 +404,8 @@ def _operation(
     ):
         ok["content"] = {"application/octet-stream": {"schema": {"type": "string",
                                                                  "format": "binary"}}}  # fmt: skip
+    elif endpoint == "metrics.prometheus_metrics":
+        ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
     else:
         ok["content"] = {"application/json": {"schema": {"type": "object"}}}
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}

@@ -72,3 +72,22 @@ class AdminClient(RestClient):
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         """Revoke a key: refused from its next request on. Idempotent."""
         return self._ok(self.http.post(f"/keys/{segment(key_id)}/revoke"))["key"]  # type: ignore[no-any-return]
+
+    def status(self) -> dict[str, Any]:
+        """The platform's state now (operator only): what `treadle status` prints.
+
+        Returns:
+            `{lease_ttl_seconds, workers, live_sessions, pending_operations, oldest_pending}`:
+            each worker's `id`, `heartbeat_age_seconds`, `is_alive` (heartbeated within the
+            lease TTL), `sessions` held, `queued` (their pending operations) and `metrics_url`
+            (None when its heartbeat names none); live sessions by tenant id; the pending
+            operations' count and the oldest one (`request_id`, `session_id`, `tenant_id`,
+            `type`, `seq_id`, `age_seconds`), None when nothing is pending.
+        Raises:
+            TreadleApiError: 403 for a key that is not the operator's.
+
+        Example:
+            admin = AdminClient.from_env()
+            dead = [w["id"] for w in admin.status()["workers"] if not w["is_alive"]]
+        """
+        return self._ok(self.http.get("/status"))  # type: ignore[no-any-return]

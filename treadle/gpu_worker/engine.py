@@ -181,6 +181,11 @@ class Engine:
         with self._lock:
             return self._paging.spilled()
 
+    def adapter_counts(self) -> tuple[int, int]:
+        """(adapters in memory, adapters paged out to disk), without waiting for the running
+        call (see `Paging.counts`)."""
+        return self._paging.counts()
+
     def adapter_device(self, adapter_id: str) -> torch.device:
         """Where the adapter's weights, grads and Adam moments are now (one paged out to disk
         is read back into host memory first)."""

@@ -31,7 +31,7 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
-from treadle.gpu_worker import faults, handlers, recovery
+from treadle.gpu_worker import faults, handlers, recovery, telemetry
 from treadle.gpu_worker.batching import Key
 from treadle.gpu_worker.engine import Engine, SampleBatch, SampleRequest, SampleResult
 from treadle.platform import cancellation, db, events, leases, metrics, notify, operations
@@ -257,7 +257,7 @@ class SessionHost:
         if session.last_applied_seq < 0:  # nothing applied yet: seq 0 creates the adapter
             self._held[session.id] = _Held(session.lease_epoch, -1, 0)
             return
-        rebuilt = recovery.rebuild(
+        rebuilt = recovery.recover(
             self.db,
             self.engine,
             self.store,
@@ -546,9 +546,11 @@ class SessionHost:
                 )
         except leases.StaleLeaseError as exc:
             log.warning("refused a stale write: %s", exc)
+            metrics.count_conflict("stale_lease")
             return False
         if settled.is_new:
             notify.publish_done(self.redis, op.request_id)
+            telemetry.settled(self.worker_id, op, error, seconds)
         if settled.charge is not None:
             metrics.count_charge(settled.charge)
         return settled.is_new

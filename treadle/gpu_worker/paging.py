@@ -91,6 +91,11 @@ class Paging:
         """Adapters paged out to disk, with their files."""
         return dict(self._files)
 
+    def counts(self) -> tuple[int, int]:
+        """(adapters in memory, adapters paged out to disk). Safe without the engine's lock (each
+        len() is one atomic read), so a metrics scrape never waits for a running operation."""
+        return len(self._loaded), len(self._files)
+
     def use(self, adapter_id: str, *, on_device: bool) -> TrainableLora:
         """The adapter's state, read back from disk if it was paged out and marked most recently
         used; with `on_device`, moved onto the accelerator too. Then the least recently used

@@ -4,7 +4,8 @@ before the target seq_id, then a verified replay of the state-changing operation
 Each replayed step's state hashes are compared with those its completion recorded, and a loaded
 checkpoint's with those recorded when it was written; any difference raises `Diverged` (the
 caller marks the session diverged rather than train on weights its log does not describe). A
-rebuild that cannot find what it needs raises `Unrecoverable`. Writing automatic checkpoints and
+rebuild that cannot find what it needs raises `Unrecoverable`. `recover` is the rebuild of a
+session by its new holder, counted (its outcome, and each operation it replayed). Writing automatic checkpoints and
 pruning old ones lives here too. Imports platform and the engine; never api.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from treadle.gpu_worker import checkpoint_io, handlers
+from treadle.gpu_worker import checkpoint_io, handlers, telemetry
 from treadle.gpu_worker.engine import Engine, Interrupt
 from treadle.platform import auto_checkpoints, events, operations
 from treadle.platform import sessions as sessions_core
@@ -61,6 +62,34 @@ class Rebuilt:
     original_seconds: float = 0.0  # what the replayed operations took when they first ran
 
 
+def recover(
+    db: sa.Engine,
+    engine: Engine,
+    store: ObjectStore,
+    session: SessionRow,
+    *,
+    adapter_id: str,
+    up_to_seq: int,
+    interrupt: Interrupt | None = None,
+) -> Rebuilt:
+    """`rebuild` the adapter of a session this worker now holds, counting the outcome
+    (recovered, diverged or failed; a transient error is retried, not counted) and each
+    operation replayed."""
+    try:
+        rebuilt = rebuild(
+            db, engine, store, session, adapter_id=adapter_id, up_to_seq=up_to_seq,
+            interrupt=interrupt, on_replay=lambda op_type: telemetry.REPLAYED.labels(op_type).inc(),
+        )  # fmt: skip
+    except Diverged:
+        telemetry.RECOVERIES.labels("diverged").inc()
+        raise
+    except Unrecoverable:
+        telemetry.RECOVERIES.labels("failed").inc()
+        raise
+    telemetry.RECOVERIES.labels("recovered").inc()
+    return rebuilt
+
+
 def rebuild(
     db: sa.Engine,
     engine: Engine,
@@ -72,12 +101,14 @@ def rebuild(
     snapshots: Container[str] | None = None,
     interrupt: Interrupt | None = None,
     from_start: bool = False,
+    on_replay: Callable[[str], None] | None = None,
 ) -> Rebuilt:
     """Build `adapter_id` as `session`'s adapter stood after `up_to_seq`, verified step by step.
 
     `snapshots` limits which samplers' snapshots the replay re-creates (None: all of them).
     `from_start` replays every operation the log can replay (an audit's replay): it starts from
-    a copy of a loaded checkpoint only, never from an automatic one.
+    a copy of a loaded checkpoint only, never from an automatic one. `on_replay` is called with
+    the type of each operation replayed.
     Raises Diverged, Unrecoverable, or what the store or database raise (transient: retry).
     """
     started = time.monotonic()
@@ -129,6 +160,8 @@ def rebuild(
             except TreadleError as exc:  # it ran once; running it again must not fail
                 raise Diverged(op.seq_id, op.type, "outcome", "completed", exc.message) from exc
             replayed += 1
+            if on_replay is not None:
+                on_replay(op.type)
             if payload.changes_state and op.state:
                 _verify(engine, adapter_id, op.seq_id, op.type, op.state)
                 verified += 1

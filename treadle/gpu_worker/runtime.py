@@ -1,8 +1,9 @@
 """The worker process: a Celery worker (solo pool, prefetch 1, acks_late) hosting sessions.
 
-`run_worker` builds the engine and the session host, registers the wake/stop tasks, starts the
-lease keeper (heartbeat, claiming unleased sessions, consuming leased sessions' queues, re-waking
-stalled operations) and runs Celery until SIGTERM/SIGINT. Imports platform and the engine; never api.
+`run_worker` builds the engine and the session host, starts the metrics server (`telemetry`),
+registers the wake/stop tasks, starts the lease keeper (heartbeat, claiming unleased sessions,
+consuming leased sessions' queues, re-waking stalled operations) and runs Celery until
+SIGTERM/SIGINT. Imports platform and the engine; never api.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import threading
 
 import redis
 from celery import Celery
-from celery.signals import worker_ready, worker_shutting_down
+from celery.signals import after_setup_task_logger, worker_ready, worker_shutting_down
 
+from treadle.gpu_worker import telemetry
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
 from treadle.platform import (
@@ -22,6 +24,7 @@ from treadle.platform import (
     checkpoints,
     db,
     leases,
+    logs,
     notify,
     operations,
     routing,
@@ -54,9 +57,13 @@ class LeaseKeeper(threading.Thread):
     """Heartbeats the worker, claims sessions no live worker holds, keeps its sessions' queues
     consumed and moving, and interrupts an operation whose session was stopped."""
 
-    def __init__(self, config: PlatformConfig, host: SessionHost, app: Celery) -> None:
+    def __init__(
+        self, config: PlatformConfig, host: SessionHost, app: Celery, metrics_url: str | None = None
+    ) -> None:
         super().__init__(name="lease-keeper", daemon=True)
         self.config = config
+        # What the heartbeat tells the platform about this process (`treadle status` shows it).
+        self.info = {"pid": os.getpid(), "metrics_url": metrics_url}
         self.host = host
         self.app = app
         self.consuming: set[str] = set()
@@ -76,7 +83,7 @@ class LeaseKeeper(threading.Thread):
     def tick(self) -> None:
         me = self.host.worker_id
         with self.host.db.begin() as conn:
-            leases.heartbeat_worker(conn, me, {"pid": os.getpid()})
+            leases.heartbeat_worker(conn, me, self.info)
             claimed = [
                 s
                 for s in leases.unleased_sessions(conn)
@@ -170,16 +177,24 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         released = leases.retire_worker(conn, worker_id, "the worker restarted")
     if released:
         log.info("%s: released %d lease(s) of a previous run", worker_id, len(released))
+    metrics_url = telemetry.serve(config, host)
     app = build_app(config, host)
-    keeper = LeaseKeeper(config, host, app)
+    keeper = LeaseKeeper(config, host, app, metrics_url)
     # Start keeping leases once the consumer is connected, so its add_consumer requests land.
     worker_ready.connect(lambda **_: keeper.start(), weak=False)
     # SIGTERM: interrupt the running operation at its next step (it stays pending for the next
     # holder) instead of waiting for it to finish.
     worker_shutting_down.connect(lambda **_: host.close(), weak=False)
+    # Celery's task logger gets a plain-text handler of its own: its records go through the
+    # root handler (platform/logs) instead, so every line of the worker is in one format.
+    after_setup_task_logger.connect(logs.to_root, weak=False)
+    # Celery prints its banner straight to stdout, past logging: left out of a JSON log (its
+    # connection and readiness are records of their own).
+    quiet = ["--quiet"] if config.log_format == "json" else []
     try:
         app.worker_main(
             [
+                *quiet,
                 "worker",
                 "--pool=solo",
                 "--concurrency=1",

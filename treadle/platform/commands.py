@@ -4,7 +4,7 @@ dependencies passed in explicitly, so the API's views only parse, call one and s
 - `open_session`: create a training or sampling session (refused while no worker is alive to
   host it), lease it to a live worker, and admit its first operation.
 - `submit`: admit an operation (`OperationRequested` and its row in one transaction), then wake
-  the session's worker.
+  the session's worker; each admission is counted and logged (`oplog`), a refusal logged.
 - `stop_session`, `finish_client_session`: stop, fail what was pending, tell the worker, notify
   whoever waits.
 Imports nothing from api, gpu_worker, flask or torch.
@@ -22,10 +22,20 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from treadle.platform import cancellation, leases, notify, operations, quotas, routing, schema
+from treadle.platform import (
+    cancellation,
+    leases,
+    metrics,
+    notify,
+    operations,
+    oplog,
+    quotas,
+    routing,
+    schema,
+)
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
-from treadle.platform.errors import UnavailableError
+from treadle.platform.errors import TreadleError, UnavailableError
 from treadle.platform.optypes import Payload
 from treadle.platform.tenants import Principal
 
@@ -64,25 +74,38 @@ def submit(
     tenant's quota (request rate, reservation) is read in the same transaction, on the same
     connection.
     """
-    with deps.db.begin() as conn:
-        quota = None
-        if deps.config.metering:
-            quota = quotas.get_quota(conn, principal.tenant_id)
-            if deps.rate_limiter is not None:
-                deps.rate_limiter.check(principal.tenant_id, quota.requests_per_second)
-        admission = operations.admit(
-            conn,
-            principal,
-            session_id,
-            seq_id,
-            payload,
-            sampler_id=sampler_id,
-            metering=deps.config.metering,
-            quota=quota,
-        )
-        if admission.is_new and with_request is not None:
-            with_request(conn)
+
+    def logged(outcome: str, request_id: str | None, error_code: str | None = None) -> None:
+        oplog.operation(request_id=request_id, session_id=session_id,
+                        tenant_id=principal.tenant_id, type=payload.TYPE, seq_id=seq_id,
+                        outcome=outcome, error_code=error_code)  # fmt: skip
+
+    try:
+        with deps.db.begin() as conn:
+            quota = None
+            if deps.config.metering:
+                quota = quotas.get_quota(conn, principal.tenant_id)
+                if deps.rate_limiter is not None:
+                    deps.rate_limiter.check(principal.tenant_id, quota.requests_per_second)
+            admission = operations.admit(
+                conn,
+                principal,
+                session_id,
+                seq_id,
+                payload,
+                sampler_id=sampler_id,
+                metering=deps.config.metering,
+                quota=quota,
+            )
+            if admission.is_new and with_request is not None:
+                with_request(conn)
+    except TreadleError as exc:
+        if not isinstance(exc, UnavailableError):  # a 503 did not answer; anything else refused
+            logged("refused", None, exc.code)
+        raise
+    logged("admitted" if admission.is_new else "duplicate", admission.request_id)
     if admission.is_new:
+        metrics.ADMITTED.labels(payload.TYPE).inc()
         try:
             routing.wake(deps.celery, session_id, admission.request_id)
         except Exception as exc:  # the log is the truth; the wake-up is a hint

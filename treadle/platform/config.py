@@ -11,12 +11,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from treadle.platform.logs import FORMATS
+
 DEFAULT_DATA_DIR = Path.home() / ".treadle"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "treadle"
 # Adapters (weights, grads, Adam state) a worker keeps in memory; the least recently used others
 # page out to local disk. 4 keeps 16 SmolLM2-135M sessions of rank 32 within 1.5x one session's
 # memory (docs/benchmarks.md).
 DEFAULT_MAX_LOADED_ADAPTERS = 4
+# Where a worker serves its Prometheus metrics (`treadle up` gives worker i this port + i).
+DEFAULT_WORKER_METRICS_PORT = 9101
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,15 @@ class PlatformConfig:
     s3_access_key: str = ""
     s3_secret_key: str = ""
     s3_region: str = "us-east-1"
+    # A worker's Prometheus endpoint: the port (0: any free one) and the address it listens on;
+    # the URL it is reached at goes into the worker's heartbeat ("metrics_url").
+    worker_metrics_port: int = DEFAULT_WORKER_METRICS_PORT
+    worker_metrics_addr: str = "0.0.0.0"
+    # prometheus_client's multiprocess mode (the API under gunicorn): every process writes its
+    # metrics under this folder and /metrics sums them. Empty: one process, its own metrics.
+    prometheus_multiproc_dir: str = ""
+    # How log records are written (platform/logs.py): "json" lines for a collector, or "human".
+    log_format: str = "json"
 
     @property
     def fwdbwd_chunk_bytes(self) -> int:
@@ -114,6 +127,10 @@ class PlatformConfig:
             s3_access_key=env.get("TREADLE_S3_ACCESS_KEY") or env.get("AWS_ACCESS_KEY_ID", ""),
             s3_secret_key=env.get("TREADLE_S3_SECRET_KEY") or env.get("AWS_SECRET_ACCESS_KEY", ""),
             s3_region=env.get("TREADLE_S3_REGION") or "us-east-1",
+            worker_metrics_port=_port(env, "TREADLE_WORKER_METRICS_PORT"),
+            worker_metrics_addr=env.get("TREADLE_WORKER_METRICS_ADDR") or "0.0.0.0",
+            prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR", ""),
+            log_format=_log_format(env),
         )
 
     def with_services(self, database_url: str, redis_url: str) -> PlatformConfig:
@@ -136,6 +153,9 @@ class PlatformConfig:
             "TREADLE_API_THREADS": str(self.api_threads),
             "TREADLE_MAX_BODY_BYTES": str(self.max_body_bytes),
             "TREADLE_MAX_LOADED_ADAPTERS": str(self.max_loaded_adapters),
+            "TREADLE_WORKER_METRICS_PORT": str(self.worker_metrics_port),
+            "TREADLE_WORKER_METRICS_ADDR": self.worker_metrics_addr,
+            "TREADLE_LOG_FORMAT": self.log_format,
         }
         if self.debug_faults:
             env["TREADLE_DEBUG_FAULTS"] = "1"
@@ -172,6 +192,20 @@ def _whole(env: Mapping[str, str], name: str, default: int) -> int:
     if value != int(value):
         raise ValueError(f"{name} must be a whole number of 0 or more, got {env.get(name)!r}")
     return int(value)
+
+
+def _log_format(env: Mapping[str, str]) -> str:
+    raw = env.get("TREADLE_LOG_FORMAT") or "json"
+    if raw not in FORMATS:
+        raise ValueError(f"TREADLE_LOG_FORMAT must be {' or '.join(FORMATS)}, got {raw!r}")
+    return raw
+
+
+def _port(env: Mapping[str, str], name: str) -> int:
+    value = _whole(env, name, DEFAULT_WORKER_METRICS_PORT)
+    if value > 65535:
+        raise ValueError(f"{name} must be a port number from 0 to 65535, got {env.get(name)!r}")
+    return value
 
 
 MIN_BODY_BYTES = 64 * 1024

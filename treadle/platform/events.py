@@ -3,6 +3,7 @@
 `append` takes the session row's lock (it bumps `sessions.last_event_seq`) and inserts the event
 in one statement, so appends to one session are serialised and numbered 1, 2, 3, ... without
 gaps; the database refuses UPDATE and DELETE on `events`. Event types are past-tense facts.
+Each append is counted by type once its transaction commits (`treadle_event_appends_total`).
 Imports nothing from api, gpu_worker or torch.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from treadle.platform import metrics
 from treadle.platform.errors import NotFoundError
 from treadle.platform.schema import events
 
@@ -99,6 +101,7 @@ def append(
     ).first()
     if row is None:
         raise NotFoundError(f"session {session_id} not found")
+    metrics.count_append(conn, type)
     return Event(row.position, session_id, row.seq, type, data, tenant_id, actor, row.created_at)
 
 

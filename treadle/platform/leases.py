@@ -4,6 +4,7 @@ A worker heartbeats its row in `workers`; one silent for the lease TTL is dead. 
 leased to one worker at a time (worker id + epoch on the session row); every new lease bumps
 the epoch (`SessionLeased`), so a write by a previous holder is refused at settlement. A worker
 that stops or dies gives its leases back (`SessionReleased`) and live workers claim them.
+Every change is counted by reason once its transaction commits (`treadle_lease_changes_total`).
 Imports nothing from api, gpu_worker or torch.
 """
 
@@ -14,8 +15,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from treadle.platform import events
-from treadle.platform.schema import sessions, workers
+from treadle.platform import events, metrics
+from treadle.platform.optypes import OpStatus
+from treadle.platform.schema import operations, sessions, workers
 from treadle.platform.sessions import ACTIVE_STATUSES, SessionRow, get_session
 
 
@@ -75,13 +77,21 @@ def place_session(conn: sa.Connection, session_id: str, ttl_seconds: float) -> s
         ).all()
     )
     worker_id = min(live, key=lambda w: (load.get(w, 0), w))
-    return worker_id if lease_session(conn, session_id, worker_id, only_if_unleased=True) else None
+    placed = lease_session(conn, session_id, worker_id, only_if_unleased=True, reason="placed")
+    return worker_id if placed else None
 
 
 def lease_session(
-    conn: sa.Connection, session_id: str, worker_id: str, *, only_if_unleased: bool
+    conn: sa.Connection,
+    session_id: str,
+    worker_id: str,
+    *,
+    only_if_unleased: bool,
+    reason: str | None = None,
 ) -> bool:
-    """Give a session's lease to a worker with epoch + 1 (appends SessionLeased)."""
+    """Give a session's lease to a worker with epoch + 1 (appends SessionLeased). `reason`
+    (the lease-change counter's label): "placed", "claimed" or "orphan"; by default "claimed"
+    for an unleased session, "orphan" for one taken from another worker."""
     query = sa.update(sessions).where(sessions.c.id == session_id)
     if only_if_unleased:
         query = query.where(sessions.c.worker_id.is_(None))
@@ -99,6 +109,7 @@ def lease_session(
         "SessionLeased",
         {"worker_id": worker_id, "epoch": row.lease_epoch},
     )
+    metrics.count_lease_change(conn, reason or ("claimed" if only_if_unleased else "orphan"))
     return True
 
 
@@ -122,6 +133,21 @@ def sessions_leased_to(conn: sa.Connection, worker_id: str) -> list[str]:
             )
         ).scalars()
     )
+
+
+def worker_load(conn: sa.Connection, worker_id: str) -> tuple[int, int]:
+    """(active sessions leased to `worker_id`, pending operations of those sessions), in one
+    statement: the worker's gauges read it at every metrics scrape."""
+    mine = sa.and_(sessions.c.worker_id == worker_id, sessions.c.status.in_(ACTIVE_STATUSES))
+    live = sa.select(sa.func.count()).select_from(sessions).where(mine).scalar_subquery()
+    queued = (
+        sa.select(sa.func.count())
+        .select_from(operations.join(sessions, operations.c.session_id == sessions.c.id))
+        .where(mine, operations.c.status == OpStatus.PENDING)
+        .scalar_subquery()
+    )
+    row = conn.execute(sa.select(live, queued)).one()
+    return int(row[0]), int(row[1])
 
 
 def orphaned_sessions(conn: sa.Connection, ttl_seconds: float, limit: int = 50) -> list[str]:
@@ -158,6 +184,7 @@ def release_leases(conn: sa.Connection, worker_id: str, reason: str) -> list[str
             "SessionReleased",
             {"worker_id": worker_id, "epoch": row.lease_epoch, "reason": reason},
         )
+    metrics.count_lease_change(conn, "released", len(rows))
     return [row.id for row in rows]
 
 

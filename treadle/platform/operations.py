@@ -18,11 +18,12 @@ import json
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
-from treadle.platform import events
+from treadle.platform import events, metrics
 from treadle.platform import metering as metering_core
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
 from treadle.platform.leases import StaleLeaseError, hold
@@ -127,6 +128,7 @@ class OperationRow:
     error: Any
     state: Any = None  # state hashes recorded at completion, for a state-changing operation
     actor: str | None = None  # the key that requested it
+    requested_at: datetime | None = None  # when it was admitted (the database's clock)
 
     @property
     def is_done(self) -> bool:
@@ -165,6 +167,7 @@ def admit(
     ).first()
     if existing is not None:
         if existing.payload_hash != digest or existing.type != op_type:
+            metrics.count_conflict("seq_conflict")
             raise ConflictError(
                 f"seq_id {seq_id} of {sampler_id or session_id} was already used by a different "
                 f"{existing.type} request; each operation needs the next unused seq_id"
@@ -415,6 +418,7 @@ def _row(row: sa.Row[Any]) -> OperationRow:
         error=row.error,
         state=row.state,
         actor=row.actor,
+        requested_at=row.created_at,
     )
 
 

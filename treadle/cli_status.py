@@ -1,0 +1,84 @@
+"""The `treadle status` verb: the operator's view of the running platform, an HTTP client of
+`GET /api/v1/treadle/status` (TREADLE_BASE_URL, TREADLE_API_KEY = the operator's key).
+
+Prints the workers (heartbeat age, alive or not, sessions held, queue depth, metrics address),
+live sessions per tenant, the pending operations' count and the oldest pending one, as tables;
+`--json` prints the server's answer as it is, for scripts. Registered by `cli.py`; imports the
+client only, never the server side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from treadle.cli_billing import render
+
+VERBS = ("status",)
+WORKER_COLUMNS = ("worker", "heartbeat_age", "alive", "sessions", "queued", "metrics_url")
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    status = sub.add_parser(
+        "status", help="workers, live sessions, pending operations (the operator's key)"
+    )
+    status.add_argument("--json", action="store_true", help="the whole answer as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from treadle.client.admin import AdminClient
+
+    try:
+        client = AdminClient.from_env()
+        body = client.status()
+    except (RuntimeError, ValueError) as exc:
+        print(f"treadle status: {exc}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(
+            f"treadle status: cannot reach the server ({exc}); check TREADLE_BASE_URL",
+            file=sys.stderr,
+        )
+        return 1
+    sys.stdout.write(json.dumps(body, indent=2) + "\n" if args.json else show(body))
+    return 0
+
+
+def show(body: dict[str, Any]) -> str:
+    """The answer of the status route as text tables."""
+    workers = body["workers"]
+    alive = sum(1 for w in workers if w["is_alive"])
+    rows = [
+        {
+            "worker": w["id"],
+            "heartbeat_age": f"{w['heartbeat_age_seconds']:.1f} s",
+            "alive": "yes" if w["is_alive"] else "NO",
+            "sessions": w["sessions"],
+            "queued": w["queued"],
+            "metrics_url": w["metrics_url"] or "",
+        }
+        for w in workers
+    ]
+    ttl = body["lease_ttl_seconds"]
+    parts = [
+        f"Workers: {alive} alive of {len(workers)} "
+        f"(alive: heartbeated within the lease TTL, {ttl:g} s)\n",
+        render("table", body, WORKER_COLUMNS, rows) if rows else "  none\n",
+    ]
+    live = body["live_sessions"]
+    tenants = [{"tenant": t, "live_sessions": n} for t, n in live.items()]
+    parts.append(f"\nLive sessions: {sum(live.values())}\n")
+    parts.append(render("table", body, ("tenant", "live_sessions"), tenants) if tenants else "")
+    parts.append(f"\nPending operations: {body['pending_operations']}\n")
+    oldest = body["oldest_pending"]
+    if oldest is not None:
+        parts.append(
+            f"Oldest pending: {oldest['request_id']} ({oldest['type']}, seq {oldest['seq_id']} "
+            f"of {oldest['session_id']}, tenant {oldest['tenant_id']}), "
+            f"waiting {oldest['age_seconds']:.1f} s\n"
+        )
+    return "".join(parts)
