@@ -169,6 +169,14 @@ operations = sa.Table(
         unique=True,
         postgresql_where=sa.text("sampler_id IS NOT NULL"),
     ),
+    # The few pending rows, for the lease keeper's stalled-operation check, the workers' queue
+    # depth and `treadle status` (migration 0008).
+    sa.Index(
+        "ix_operations_pending",
+        "session_id",
+        "created_at",
+        postgresql_where=sa.text("status = 'pending'"),
+    ),
 )
 
 # Projection: every saved checkpoint, registered as a version of its model package group.
