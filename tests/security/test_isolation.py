@@ -321,6 +321,19 @@ CASES: dict[str, Cases | str] = {
     ],
     "admin.list_tenants": lambda i: [Case("GET", "/api/v1/treadle/tenants", expect=403)],
     # The platform's status is the operator's too: it shows every tenant's session counts.
+    "openai.list_models": lambda i: [Case("GET", "/v1/models", expect=200, own_not_404=False)],
+    "openai.completions": lambda i: [
+        Case("POST", "/v1/completions", {"model": m, "prompt": "hi"})
+        for m in (i["model"], i["checkpoint"])
+    ],
+    "openai.chat_completions": lambda i: [
+        Case(
+            "POST",
+            "/v1/chat/completions",
+            {"model": m, "messages": [{"role": "user", "content": "hi"}]},
+        )  # fmt: skip
+        for m in (i["model"], i["checkpoint"])
+    ],
     "status.platform_status": lambda i: [Case("GET", "/api/v1/treadle/status", expect=403)],
     "admin.disable_tenant": lambda i: [
         Case(

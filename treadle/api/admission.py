@@ -48,6 +48,7 @@ def submit(
     *,
     sampler_id: str | None = None,
     with_request: Callable[[sa.Connection], None] | None = None,
+    on_admitted: Callable[[operations.Admission], None] | None = None,
 ) -> operations.Admission:
     """Submit the caller's operation (see `commands.submit`)."""
     admission = commands.submit(
@@ -58,6 +59,7 @@ def submit(
         payload,
         sampler_id=sampler_id,
         with_request=with_request,
+        on_admitted=on_admitted,
     )
     g.pop("training_seq", None)  # admitted: not a refusal, whatever happens next
     return admission

@@ -28,6 +28,7 @@ from treadle.api import (
     routes_hf,
     routes_lineage,
     routes_metrics,
+    routes_openai,
     routes_sampling,
     routes_sessions,
     routes_status,
@@ -105,6 +106,7 @@ def create_app(config: PlatformConfig) -> Flask:
         routes_tinker_extras,
         routes_status,
         routes_metrics,
+        routes_openai,
     ):
         app.register_blueprint(module.bp)
 
@@ -119,7 +121,11 @@ def create_app(config: PlatformConfig) -> Flask:
             raise ValidationError("the URL contains a NUL character; remove it")
         if request.path in PUBLIC_PATHS or request.path.startswith(PUBLIC_PREFIXES):
             return
-        g.principal = auth.authenticate(request.headers.get("X-API-Key"))
+        key = request.headers.get("X-API-Key")
+        if key is None and request.path.startswith("/v1/"):  # OpenAI clients send a bearer token
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            key = token.strip() if scheme.lower() == "bearer" else None
+        g.principal = auth.authenticate(key)
 
     errors.register(app, svc)
     return app

@@ -22,6 +22,7 @@ from treadle.api import (
     schemas_admin,
     schemas_billing,
     schemas_lineage,
+    schemas_openai,
     schemas_sessions,
     schemas_tinker_extras,
 )
@@ -179,6 +180,16 @@ ROUTES: dict[str, RouteDoc] = {
     "admin.get_key": RouteDoc("One key", "admin"),
     "admin.revoke_key": RouteDoc(
         "Revoke a key: refused from its next request", "admin", errors=(400, 401, 403, 404, 409),
+    ),
+    # -- OpenAI-compatible serving (docs/openai.md; Authorization: Bearer <key> also works)
+    "openai.list_models": RouteDoc("OpenAI: the models this key may sample", "openai"),
+    "openai.completions": RouteDoc(
+        "OpenAI: a completion of a prompt (stream: server-sent events)", "openai",
+        body=schemas_openai.CompletionRequest, errors=(400, 401, 402, 404, 429),
+    ),
+    "openai.chat_completions": RouteDoc(
+        "OpenAI: a chat completion through the model's chat template", "openai",
+        body=schemas_openai.ChatCompletionRequest, errors=(400, 401, 402, 404, 429),
     ),
     "status.platform_status": RouteDoc(
         "Workers (heartbeat age, alive, sessions held, queue depth), live sessions per tenant, "

@@ -177,6 +177,12 @@ class DecodeBatch:
     def __contains__(self, key: Key) -> bool:
         return key in self._states
 
+    def drawn(self, key: Key) -> tuple[list[list[int]], list[list[float]]]:
+        """What job `key` (still decoding) has drawn so far: each sample's tokens and their
+        logprobs (live lists: copy what must not change at the next step)."""
+        state = self._states[key]
+        return state.tokens_N, state.logprobs_N
+
     def add(self, jobs: Sequence[tuple[Key, SampleJob]]) -> Finished:
         """Prefill `jobs` together (scoring their prompts) and let their rows join the batch;
         returns those already finished (nothing to sample)."""

@@ -525,6 +525,10 @@ class SampleBatch:
         with self._engine._lock:
             return self._decoding.step(interrupt)
 
+    def drawn(self, key: batching.Key) -> tuple[list[list[int]], list[list[float]]]:
+        """See `batching.DecodeBatch.drawn` (read between steps, by the thread that steps)."""
+        return self._decoding.drawn(key)
+
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32, copy=True).numpy()

@@ -31,10 +31,10 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
-from treadle.gpu_worker import faults, handlers, recovery, telemetry
+from treadle.gpu_worker import faults, handlers, recovery, streaming, telemetry
 from treadle.gpu_worker.batching import Key
 from treadle.gpu_worker.engine import Engine, SampleBatch, SampleRequest, SampleResult
-from treadle.platform import cancellation, db, events, leases, metrics, notify, operations
+from treadle.platform import cancellation, db, events, leases, metrics, notify, operations, progress
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import (
@@ -341,12 +341,13 @@ class SessionHost:
         if payload.snapshot_id and not payload.checkpoint_prefix:
             self._ensure_snapshot(session, payload.snapshot_id)
         batch = self.engine.open_batch(session.base_model)
+        streams = streaming.Streams(self.redis)  # the requests streamed to their clients
         admitted: dict[str, _Sampling] = {}
         started = time.monotonic()
         looked = started - SAMPLE_LOOK_INTERVAL_SECONDS  # look at once
         with contextlib.ExitStack() as locks:
             try:
-                self._admit(batch, [(session, first, payload)], admitted)
+                self._admit(batch, [(session, first, payload)], admitted, streams)
                 while True:
                     now = time.monotonic()
                     if now - started < SAMPLE_JOIN_WINDOW_SECONDS and (
@@ -354,7 +355,7 @@ class SessionHost:
                     ):
                         room = SAMPLE_BATCH_LIMIT - len(batch)
                         joining = self._waiting_samples(session, set(admitted), locks, room)
-                        self._admit(batch, joining, admitted)
+                        self._admit(batch, joining, admitted, streams)
                         looked = now
                     if not len(batch):
                         return
@@ -367,6 +368,8 @@ class SessionHost:
                         finished = [(request_id, exc) for request_id in admitted]
                         self._finish(finished, admitted)
                         return
+                    for request_id in streams.after_step(batch, finished):
+                        self.cancel(request_id, progress.CANCELLED_MESSAGE)  # at the next step
                     self._finish(finished, admitted)
             finally:
                 self._sampling = {}
@@ -376,6 +379,7 @@ class SessionHost:
         batch: SampleBatch,
         samples: list[tuple[SessionRow, operations.OperationRow, Sample]],
         admitted: dict[str, _Sampling],
+        streams: streaming.Streams,
     ) -> None:
         """Let `samples` join `batch`; those that fail before reaching it, or finish at once,
         are settled now."""
@@ -392,7 +396,13 @@ class SessionHost:
                 failed.append((op.request_id, exc))
         if requests:
             log.info("%s: %d samples join a batch of %d", self.worker_id, len(requests), len(batch))
-        self._finish(failed + batch.add(requests), admitted)
+        joining = [(op.request_id, payload.num_samples) for _, op, payload in samples]
+        for request_id in streams.join(joining):  # cancelled before it ran: stops at its 1st step
+            self.cancel(request_id, progress.CANCELLED_MESSAGE)
+        finished = failed + batch.add(requests)
+        for request_id in streams.after_step(batch, finished):
+            self.cancel(request_id, progress.CANCELLED_MESSAGE)
+        self._finish(finished, admitted)
 
     def _finish(
         self, finished: list[tuple[Key, SampleResult | Exception]], admitted: dict[str, _Sampling]

@@ -66,8 +66,11 @@ def submit(
     *,
     sampler_id: str | None = None,
     with_request: Callable[[sa.Connection], None] | None = None,
+    on_admitted: Callable[[operations.Admission], None] | None = None,
 ) -> operations.Admission:
     """Append the request (after `with_request`, in the same transaction), then wake its worker.
+    `on_admitted` sees a new request's id before the commit, so before any worker can run it
+    (`progress.want_progress` marks a streamed sample there).
 
     The request is in the log once this commits; a wake-up that cannot be sent (the broker is
     down) is only logged: the worker's lease keeper re-wakes operations left pending. The
@@ -99,6 +102,8 @@ def submit(
             )
             if admission.is_new and with_request is not None:
                 with_request(conn)
+            if admission.is_new and on_admitted is not None:
+                on_admitted(admission)
     except TreadleError as exc:
         if not isinstance(exc, UnavailableError):  # a 503 did not answer; anything else refused
             logged("refused", None, exc.code)

@@ -133,6 +133,8 @@ samplers = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     # clones that joined it (join_sampling_session); the original client is 0
     sa.Column("clients_joined", sa.BigInteger, nullable=False, server_default="0"),
+    # the next seq_id of an OpenAI-compatible route's sampler (platform/openai_models)
+    sa.Column("next_seq_id", sa.BigInteger, nullable=False, server_default="0"),
 )
 
 # Projection: one row per requested operation. Training operations are keyed by
