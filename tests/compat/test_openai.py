@@ -114,6 +114,37 @@ def test_streamed_chat_from_a_checkpoint_equals_the_whole_answer(trained, client
     assert all(len(lp.top_logprobs) == 2 for lp in streamed)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("source", ["live session", "checkpoint"])
+def test_every_route_and_source_equals_the_sdk_sample(
+    service, trained, client, tok, source: str, route: str, stream: bool
+) -> None:
+    tc, live, path = trained
+    model, sdk = (tc.model_id, live) if source == "live session" else (
+        path, service.create_sampling_client(model_path=path).result())  # fmt: skip
+    common: dict[str, Any] = {"model": model, "max_tokens": 6, "temperature": 1.0, "seed": SEED}
+    if route == "chat":
+        messages = [{"role": "user", "content": "Say hi"}]
+        prompt = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
+                            tokenize=False), add_special_tokens=False)  # fmt: skip
+        answer = client.chat.completions.create(messages=messages, logprobs=True, stream=stream,
+                                                **common)  # fmt: skip
+    else:
+        prompt = tok.encode(PROMPT, add_special_tokens=False)
+        answer = client.completions.create(prompt=PROMPT, logprobs=1, stream=stream, **common)
+    choices = [c.choices[0] for c in answer if c.choices] if stream else [answer.choices[0]]
+    text = "".join((c.delta.content or "") if route == "chat" and stream else
+                   c.message.content if route == "chat" else c.text for c in choices)  # fmt: skip
+    if route == "chat":
+        logprobs = [lp.logprob for c in choices if c.logprobs for lp in c.logprobs.content]
+    else:
+        logprobs = [lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs]
+    expected = _sdk(sdk, list(prompt), 6)
+    assert text == tok.decode(list(expected.tokens), skip_special_tokens=True)
+    assert logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+
+
 def test_another_tenants_model_is_not_found(platform: Platform, trained) -> None:
     tc, _, path = trained
     other = openai.OpenAI(base_url=f"{platform.base_url}/v1", api_key=_tenant(platform))
