@@ -157,6 +157,7 @@ def cmd_admin(args: argparse.Namespace) -> int:
 
     import httpx
 
+    from treadle import cli_errors
     from treadle.client.admin import AdminClient
 
     try:
@@ -176,16 +177,8 @@ def cmd_admin(args: argparse.Namespace) -> int:
             out = client.list_keys(args.tenant)
         else:
             out = client.revoke_key(args.key_id)
-    except (RuntimeError, ValueError) as exc:
-        print(f"treadle {args.command} {args.verb}: {exc}", file=sys.stderr)
-        return 1
-    except httpx.HTTPError as exc:
-        print(
-            f"treadle {args.command} {args.verb}: cannot reach the server ({exc}); "
-            "check TREADLE_BASE_URL",
-            file=sys.stderr,
-        )
-        return 1
+    except (RuntimeError, ValueError, httpx.HTTPError) as exc:
+        return cli_errors.failed(f"{args.command} {args.verb}", exc)
     print(json.dumps(out, indent=2))
     return 0
 

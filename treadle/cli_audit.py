@@ -60,6 +60,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    from treadle import cli_errors
     from treadle.client.audit import AuditClient
 
     verb = "sessions list" if args.command == "sessions" else "audit"
@@ -71,15 +72,8 @@ def run(args: argparse.Namespace) -> int:
             _export(client, args)
         else:
             _audit(client, args)
-    except (RuntimeError, ValueError, OSError) as exc:
-        print(f"treadle {verb}: {exc}", file=sys.stderr)
-        return 1
-    except httpx.HTTPError as exc:
-        print(
-            f"treadle {verb}: cannot reach the server ({exc}); check TREADLE_BASE_URL",
-            file=sys.stderr,
-        )
-        return 1
+    except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
+        return cli_errors.failed(verb, exc)
     except KeyboardInterrupt:
         return 130
     return 0

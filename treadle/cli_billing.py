@@ -11,7 +11,6 @@ import argparse
 import csv
 import io
 import json
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +83,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    from treadle import cli_errors
     from treadle.client.billing import BillingClient
 
     verb = f"{args.command} {getattr(args, 'verb', '')}".strip()
@@ -97,15 +97,8 @@ def run(args: argparse.Namespace) -> int:
             out = _usage(client, args)
         else:
             out = _bill(client, args)
-    except (RuntimeError, ValueError) as exc:
-        print(f"treadle {verb}: {exc}", file=sys.stderr)
-        return 1
-    except httpx.HTTPError as exc:
-        print(
-            f"treadle {verb}: cannot reach the server ({exc}); check TREADLE_BASE_URL",
-            file=sys.stderr,
-        )
-        return 1
+    except (RuntimeError, ValueError, httpx.HTTPError) as exc:
+        return cli_errors.failed(verb, exc)
     print(out, end="" if out.endswith("\n") else "\n")
     return 0
 

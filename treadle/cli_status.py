@@ -30,20 +30,14 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    from treadle import cli_errors
     from treadle.client.admin import AdminClient
 
     try:
         client = AdminClient.from_env()
         body = client.status()
-    except (RuntimeError, ValueError) as exc:
-        print(f"treadle status: {exc}", file=sys.stderr)
-        return 1
-    except httpx.HTTPError as exc:
-        print(
-            f"treadle status: cannot reach the server ({exc}); check TREADLE_BASE_URL",
-            file=sys.stderr,
-        )
-        return 1
+    except (RuntimeError, ValueError, httpx.HTTPError) as exc:
+        return cli_errors.failed("status", exc)
     sys.stdout.write(json.dumps(body, indent=2) + "\n" if args.json else show(body))
     return 0
 
