@@ -25,6 +25,9 @@ FORBIDDEN = {
     "platform": ("treadle.api", "treadle.gpu_worker", "flask", "torch"),
     "api": ("torch", "treadle.gpu_worker", "transformers", "peft"),
     "gpu_worker": ("treadle.api", "flask"),
+    # Recipes are user code: the SDKs and their own modules. Only --embedded reaches for the
+    # platform (treadle.platform.embedded.free_port, to start `treadle up`).
+    "recipes": ("treadle.api", "treadle.gpu_worker", "flask", "sqlalchemy", "celery"),
 }
 
 

@@ -1,0 +1,186 @@
+"""GRPO on arithmetic word problems: sample K replies per question, reward 1 when the reply's final
+`#### N` is the answer (a local verifier), push each reply by its reward minus its group's mean.
+
+Every step refreshes the sampler from the current weights (save_weights_and_get_sampling_client),
+sends all of its questions' sample requests before waiting for any (the worker batches them), and
+trains once on the replies with the `importance_sampling` or `ppo` loss. Every request carries a
+seed derived from (--seed, step, question), so a run is reproducible, resumes exactly, and gives
+the same numbers through Treadle's SDK and the plain tinker SDK. Held-out accuracy (greedy, the
+strict verifier) is measured before training, every --eval-every steps, and after.
+
+    python -m treadle.recipes.rl_math --embedded            # or --base-url/--api-key, --client tinker
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tinker import types
+
+from treadle.recipes import arithmetic
+from treadle.recipes.common import metrics, options
+from treadle.recipes.common.advantages import group_centred
+from treadle.recipes.common.batching import batch_at, step_seed
+from treadle.recipes.common.chat import completion_text, datum, prompt_tokens
+from treadle.recipes.common.connect import service
+from treadle.recipes.common.evaluate import greedy_score, sample_all
+from treadle.recipes.common.runs import RunFolder, RunFolderError
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one GRPO step saw and did; `loss` is None when every group was uniform (no signal,
+    so no training call)."""
+
+    reward: float  # mean reward of all sampled replies (the share that were right)
+    answered: float  # share of replies with a `#### N` at all, right or wrong
+    reply_tokens: float  # mean sampled tokens per reply
+    sampled_logprob: float  # mean logprob of the sampled tokens (the sampler's own)
+    groups_with_signal: int  # groups whose replies did not all score the same
+    loss: float | None  # the loss per trained token
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = options.parser(
+        "rl_math", __doc__.splitlines()[0], steps=12, learning_rate=5e-4, save_every=4, eval_every=4
+    )
+    p.add_argument("--loss", choices=["importance_sampling", "ppo"], default="importance_sampling")
+    p.add_argument("--group-size", type=int, default=8, help="K: sampled replies per question")
+    p.add_argument("--questions", type=int, default=4, help="questions per step")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--max-tokens", type=int, default=40, help="reply length (training and eval)")
+    p.add_argument("--train-size", type=int, default=1000, help="training problems")
+    p.add_argument("--eval-size", type=int, default=40, help="held-out problems")
+    p.add_argument("--max-operand", type=int, default=10, help="largest number in a problem")
+    args = options.parse(p, argv)
+    try:
+        run = RunFolder(args)
+    except RunFolderError as e:
+        p.error(str(e))
+    train = arithmetic.problems(args.train_size, seed=args.seed, max_operand=args.max_operand)
+    held_out = arithmetic.problems(
+        args.eval_size, seed=10_000 + args.seed, max_operand=args.max_operand
+    )
+    with service(args) as svc:
+        tc = run.training_client(svc, args)
+        tokenizer = tc.get_tokenizer()
+        eval_prompts = [prompt_tokens(tokenizer, pr.messages) for pr in held_out]
+
+        def evaluate(step: int) -> float:
+            """Greedy replies to the held-out problems; the share the verifier accepts."""
+            accuracy, replies = greedy_score(
+                tc.save_weights_and_get_sampling_client(), tokenizer, eval_prompts,
+                lambda i, text: arithmetic.reward(text, held_out[i].answer),
+                max_tokens=args.max_tokens,
+            )  # fmt: skip
+            log.record(step, eval_accuracy=accuracy, eval_sample=replies[0])
+            return accuracy
+
+        log = metrics.MetricsLog(
+            run.path / "metrics.jsonl", start_step=run.start_step, total_steps=args.steps,
+            progress=not args.no_progress, shown=["reward", "loss", "eval_accuracy"],
+        )  # fmt: skip
+        if not run.resumed_from:  # a resumed run's file already holds it
+            evaluate(0)
+        for step in range(run.start_step, args.steps):
+            started = time.monotonic()
+            result = grpo_step(tc, tokenizer, batch_at(train, args.questions, args.seed, step),
+                               step, args)  # fmt: skip
+            done = step + 1
+            log.record(
+                done, reward=result.reward, answered=result.answered, loss=result.loss,
+                reply_tokens=result.reply_tokens, sampled_logprob=result.sampled_logprob,
+                groups_with_signal=result.groups_with_signal,
+                step_s=round(time.monotonic() - started, 3),
+            )  # fmt: skip
+            log.advance()
+            if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+                evaluate(done)
+            if run.is_checkpoint_step(done, args.save_every, args.steps):
+                run.save(tc, done)
+        after = evaluate(args.steps)
+        log.close()
+    rows = metrics.read(run.path / "metrics.jsonl")
+    before = metrics.first(rows, "eval_accuracy")
+    metrics.plot(
+        rows, run.path / "curve.png", f"rl_math ({args.loss}) on {args.model}",
+        {"held-out accuracy (greedy)": ["eval_accuracy"], "train reward (sampled)": ["reward"],
+         "loss / token": ["loss"]},
+    )  # fmt: skip
+    print(json.dumps({"held_out_accuracy_before": before, "held_out_accuracy_after": after,
+                      "log_dir": str(run.path)}))  # fmt: skip
+    return 0
+
+
+def grpo_step(
+    tc: Any,
+    tokenizer: Any,
+    batch: Sequence[arithmetic.Problem],
+    step: int,
+    args: Any,
+) -> StepResult:
+    """Sample K replies per question from the current weights, score them, train once."""
+    prompts = [prompt_tokens(tokenizer, pr.messages) for pr in batch]
+    responses = sample_all(
+        tc.save_weights_and_get_sampling_client(), prompts,
+        num_samples=args.group_size, max_tokens=args.max_tokens, temperature=args.temperature,
+        seeds=[step_seed(args.seed, step, q) for q in range(len(batch))],
+    )  # fmt: skip
+    rewards, answered, lengths, logprobs = [], [], [], []
+    groups: list[tuple[list[int], list[Any], list[float]]] = []
+    for prompt, problem, response in zip(prompts, batch, responses, strict=True):
+        texts = [completion_text(tokenizer, s.tokens) for s in response.sequences]
+        rewards_G = [arithmetic.reward(t, problem.answer) for t in texts]
+        rewards += rewards_G
+        answered += [float(arithmetic.final_answer(t) is not None) for t in texts]
+        lengths += [len(s.tokens) for s in response.sequences]
+        logprobs += [lp for s in response.sequences for lp in s.logprobs]
+        groups.append((prompt, list(response.sequences), group_centred(rewards_G)))
+    datums = rl_datums(groups)
+    loss = train_step(tc, datums, args.loss, args.learning_rate) if datums else None
+    return StepResult(
+        reward=statistics.fmean(rewards),
+        answered=statistics.fmean(answered),
+        reply_tokens=statistics.fmean(lengths),
+        sampled_logprob=statistics.fmean(logprobs),
+        groups_with_signal=sum(any(a != 0 for a in adv) for _, _, adv in groups),
+        loss=loss,
+    )
+
+
+def rl_datums(groups: Sequence[tuple[list[int], list[Any], list[float]]]) -> list[types.Datum]:
+    """One datum per sampled reply with a nonzero advantage; each token's advantage is its
+    reply's divided by the tokens trained on in the batch, so the summed loss is a per-token mean
+    and the step size does not grow with the batch or the replies' length."""
+    kept = [
+        (prompt, seq, adv)
+        for prompt, sequences, advantages in groups
+        for seq, adv in zip(sequences, advantages, strict=True)
+        if adv != 0 and seq.tokens
+    ]
+    tokens = sum(len(seq.tokens) for _, seq, _ in kept)
+    return [
+        datum(prompt, seq.tokens, logprobs=seq.logprobs,
+              advantages=[adv / tokens] * len(seq.tokens))
+        for prompt, seq, adv in kept
+    ]  # fmt: skip
+
+
+def train_step(tc: Any, datums: list[types.Datum], loss_fn: str, learning_rate: float) -> float:
+    """One forward_backward + optim_step, sent together; the summed loss (already a per-token
+    mean, see rl_datums)."""
+    fb = tc.forward_backward(datums, loss_fn=loss_fn)
+    step = tc.optim_step(types.AdamParams(learning_rate=learning_rate))
+    loss = float(fb.result().metrics["loss:sum"])
+    step.result()
+    return loss
+
+
+if __name__ == "__main__":
+    sys.exit(main())
