@@ -40,8 +40,12 @@ def run_recipe(platform: Platform) -> RunRecipe:
     def run(
         name: str, *args: str, log_dir: Path, client: str = "treadle", expect: int = 0
     ) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "TREADLE_"))}
-        env.pop("HF_ENDPOINT", None)
+        # A user's shell, not this test process's: other test modules set HF_HUB_OFFLINE and
+        # the like in os.environ, and the recipe sets the hub variables it needs itself.
+        env = {
+            k: v for k, v in os.environ.items()
+            if not k.startswith(("TINKER_", "TREADLE_", "HF_", "TRANSFORMERS_"))
+        }  # fmt: skip
         command = [
             sys.executable, "-m", f"treadle.recipes.{name}",
             "--base-url", platform.base_url, "--api-key", platform.admin_key,
