@@ -76,3 +76,8 @@ def summary(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 def is_png(path: Path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def saved_checkpoint(log_dir: Path) -> dict[str, Any]:
+    """The run folder's checkpoint.json: the newest checkpoint's step and state path."""
+    return dict(json.loads((log_dir / "checkpoint.json").read_text()))

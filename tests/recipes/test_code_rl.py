@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, summary
+from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, saved_checkpoint, summary
 
 TINY = ("--batch-size", "2", "--group-size", "2", "--max-tokens", "8", "--rank", "4")
 
@@ -28,7 +28,7 @@ def test_a_run_overlaps_sampling_within_the_staleness_limit_and_draws_its_curve(
     replies = [json.loads(line) for line in (tmp_path / "samples" / "step-000003.jsonl").open()]
     assert len(replies) == 4 and {r["outcome"] for r in replies} == {"no code"}
     assert is_png(tmp_path / "curve.png")
-    checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
+    checkpoint = saved_checkpoint(tmp_path)
     assert checkpoint["step"] == 3 and checkpoint["state"].startswith("tinker://")
     result = summary(done)
     assert result["max_staleness"] == max(r["staleness"] for r in steps)
@@ -53,7 +53,7 @@ def test_resume_continues_from_the_saved_step(run_recipe: RunRecipe, tmp_path: P
     second = next(r for r in rows if r["step"] == 2 and "sampler_step" in r)
     assert second["sampler_step"] == 1 and second["staleness"] == 0
     assert [r["step"] for r in rows if "eval_pass_rate" in r] == [0, 1, 2]
-    assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 2
+    assert saved_checkpoint(tmp_path)["step"] == 2
 
 
 def test_the_plain_tinker_sdk_drives_the_same_loop(run_recipe: RunRecipe, tmp_path: Path) -> None:
@@ -61,4 +61,4 @@ def test_the_plain_tinker_sdk_drives_the_same_loop(run_recipe: RunRecipe, tmp_pa
                log_dir=tmp_path)  # fmt: skip
     steps = [r for r in metrics_rows(tmp_path) if "staleness" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["staleness"] <= 1 for r in steps)
-    assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 2
+    assert saved_checkpoint(tmp_path)["step"] == 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, summary
+from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, saved_checkpoint, summary
 
 TINY = ("--train-size", "8", "--batch-size", "2", "--samples-per-prompt", "2", "--eval-size", "1",
         "--max-tokens", "4", "--teacher-steps", "1", "--save-every", "1")  # fmt: skip
@@ -27,7 +27,7 @@ def test_a_run_makes_its_teacher_distils_and_resumes_from_its_checkpoint(
     assert all(r["teacher_accuracy"] == teacher["accuracy"] for r in rows if "eval_accuracy" in r)
     assert all(r["reply_tokens"] > 0 for r in rows if "reply_tokens" in r)
     assert is_png(whole / "curve.png")
-    assert json.loads((whole / "checkpoint.json").read_text())["step"] == 2
+    assert saved_checkpoint(whole)["step"] == 2
     result = summary(done)
     assert result["teacher"] == teacher["path"]
     assert result["reverse_kl_first"] == rows[1]["reverse_kl"]
@@ -50,7 +50,7 @@ def test_a_run_makes_its_teacher_distils_and_resumes_from_its_checkpoint(
     assert sorted(kl) == [1, 2]
     for step in (1, 2):
         assert abs(kl[step] - expected[step]) < 1e-4, (step, kl[step], expected[step])
-    assert json.loads((parts / "checkpoint.json").read_text())["step"] == 2
+    assert saved_checkpoint(parts)["step"] == 2
 
 
 def test_resume_refuses_a_different_teacher(run_recipe: RunRecipe, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 import treadle
 from tests.conftest import Platform
-from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, summary
+from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, saved_checkpoint, summary
 from treadle.recipes import dpo_data
 from treadle.recipes.dpo import reference_logprobs, tokenise
 
@@ -37,7 +36,7 @@ def test_a_run_logs_every_step_evaluates_and_draws_its_curve(
     assert train[-1]["margin"] > 0.01 and train[-1]["loss"] < math.log(2)
     assert all(0 <= r[k] <= 1 for r in evals for k in ("eval_accuracy", "eval_answer_rate"))
     assert is_png(log_dir / "curve.png")
-    checkpoint = json.loads((log_dir / "checkpoint.json").read_text())
+    checkpoint = saved_checkpoint(log_dir)
     assert checkpoint["step"] == 4 and checkpoint["state"].startswith("tinker://")
     result = summary(done)
     for key in ("eval_accuracy", "eval_margin", "eval_prefers_chosen", "eval_answer_rate"):
@@ -60,7 +59,7 @@ def test_resume_continues_from_the_checkpoint_with_the_same_reference(
     for step in (3, 4):
         for key in ("loss", "margin"):
             assert abs(got[step][key] - expected[step][key]) < 1e-4, (step, key, got, expected)
-    assert json.loads((parts / "checkpoint.json").read_text())["step"] == 4
+    assert saved_checkpoint(parts)["step"] == 4
 
 
 def test_the_base_model_reference_equals_a_fresh_sessions_weights(platform: Platform) -> None:

@@ -4,13 +4,12 @@ datums."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, summary
+from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, saved_checkpoint, summary
 from treadle.recipes.rl_math import rl_datums
 
 TINY = ("--train-size", "16", "--questions", "2", "--group-size", "3", "--eval-size", "3",
@@ -51,7 +50,7 @@ def test_a_run_logs_every_step_evaluates_and_draws_its_curve(
         assert 0.0 <= r["reward"] <= 1.0 and r["reply_tokens"] == 5  # tiny-debug never stops
         assert r["sampled_logprob"] < 0
     assert is_png(tmp_path / "curve.png")
-    checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
+    checkpoint = saved_checkpoint(tmp_path)
     assert checkpoint["step"] == 3 and checkpoint["state"].startswith("tinker://")
     result = summary(done)
     assert result["held_out_accuracy_before"] == rows[0]["eval_accuracy"]

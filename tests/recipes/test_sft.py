@@ -3,12 +3,11 @@ refusals a user meets first (no platform, a folder that already holds a run)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, summary
+from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, saved_checkpoint, summary
 
 TINY = ("--train-size", "16", "--batch-size", "2", "--eval-size", "3", "--max-tokens", "6")
 
@@ -23,7 +22,7 @@ def test_a_run_logs_every_step_evaluates_and_draws_its_curve(
     assert [r["step"] for r in rows if "eval_accuracy" in r] == [0, 2, 3]
     assert all(r["loss"] > 0 for r in rows if "loss" in r)
     assert is_png(tmp_path / "curve.png")
-    checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
+    checkpoint = saved_checkpoint(tmp_path)
     assert checkpoint["step"] == 3 and checkpoint["state"].startswith("tinker://")
     result = summary(done)
     assert result["held_out_accuracy_before"] == rows[0]["eval_accuracy"]
@@ -47,7 +46,7 @@ def test_resume_continues_from_the_checkpoint_with_the_same_data(
     # moments), on the batches of steps 3-4: the same losses as the uninterrupted run.
     for step in (3, 4):
         assert abs(losses[step] - expected[step]) < 1e-4, (step, losses[step], expected[step])
-    assert json.loads((parts / "checkpoint.json").read_text())["step"] == 4
+    assert saved_checkpoint(parts)["step"] == 4
 
 
 def test_a_folder_holding_a_run_is_not_mixed_with_a_new_one(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from treadle.recipes.common import metrics
+from treadle.recipes.common import metrics, options
 from treadle.recipes.common.advantages import group_centred, reverse_kl
 from treadle.recipes.common.batching import batch_at, step_seed
 from treadle.recipes.common.chat import datum
@@ -90,3 +90,14 @@ def test_the_run_folder_refuses_to_mix_runs_and_to_resume_nothing(tmp_path: Path
     folder = RunFolder(_args(tmp_path, resume=True))
     assert folder.start_step == 7 and folder.resumed_from is not None
     assert folder.resumed_from.state == "tinker://m/w/x"
+
+
+def test_last_is_the_latest_value_of_a_metric() -> None:
+    rows = [{"step": 0, "acc": 0.1}, {"step": 1, "loss": 2.0}, {"step": 2, "acc": 0.7}]
+    assert metrics.last(rows, "acc") == 0.7 and metrics.last(rows, "missing") is None
+
+
+def test_a_negative_count_is_refused_with_the_value() -> None:
+    assert options.non_negative("0") == 0
+    with pytest.raises(argparse.ArgumentTypeError, match="must be 0 or more, not -1"):
+        options.non_negative("-1")

@@ -38,7 +38,7 @@ from treadle.recipes.common.batching import batch_at, step_seed
 from treadle.recipes.common.chat import completion_text, datum, prompt_tokens
 from treadle.recipes.common.connect import current_sampler, service
 from treadle.recipes.common.evaluate import greedy_score, sample_all
-from treadle.recipes.common.runs import RunFolder, RunFolderError
+from treadle.recipes.common.runs import open_run
 from treadle.recipes.sandbox import Limits
 
 
@@ -138,20 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         "for stale batches; ppo also clips that ratio",
     )  # fmt: skip
     p.add_argument(
-        "--max-steps-off-policy", type=int, default=1,
+        "--max-steps-off-policy", type=options.non_negative, default=1,
         help="train on a batch at most N optimizer steps after the weights that sampled it "
         "(0: sample each batch after the previous step, no overlap)",
     )  # fmt: skip
     p.add_argument("--sandbox-workers", type=int, default=2, help="sandboxes run at once")
     p.add_argument("--cpu-seconds", type=int, default=2, help="sandbox CPU limit per reply")
     p.add_argument("--wall-seconds", type=float, default=5.0, help="sandbox wall-clock limit")
-    args = options.parse(p, argv)
-    if args.max_steps_off_policy < 0:
-        p.error(f"--max-steps-off-policy must be 0 or more, not {args.max_steps_off_policy}")
-    try:
-        run = RunFolder(args)
-    except RunFolderError as e:
-        p.error(str(e))
+    args, run = open_run(p, argv)
     limits = Limits(cpu_seconds=args.cpu_seconds, wall_seconds=args.wall_seconds)
     pool = ThreadPoolExecutor(max_workers=args.sandbox_workers)
     with service(args) as svc:
@@ -190,18 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             log.record(step, eval_pass_rate=rate, eval_sample=replies[0])
             return rate
 
-        log = metrics.MetricsLog(
-            run.path / "metrics.jsonl", start_step=run.start_step, total_steps=args.steps,
-            progress=not args.no_progress,
-            shown=["reward_mean", "pass_rate", "staleness", "eval_pass_rate"],
-        )  # fmt: skip
+        log = run.metrics_log(
+            args, shown=["reward_mean", "pass_rate", "staleness", "eval_pass_rate"]
+        )
         samplers = Samplers(current_sampler(tc), run.start_step)
-        # A resumed run keeps the rows up to its checkpoint, the evaluation there included.
-        evaluated = {r["step"]: r["eval_pass_rate"] for r in metrics.read(log.path)
-                     if "eval_pass_rate" in r}  # fmt: skip
-        if run.start_step not in evaluated:
-            evaluated[run.start_step] = evaluate(run.start_step)
-        before = evaluated[min(evaluated)]
+        if not run.resumed_from:  # a resumed run's file already holds it
+            evaluate(0)
         prefetch = Prefetcher(samplers, sample, run.start_step, args.steps,
                               args.max_steps_off_policy)  # fmt: skip
         try:
@@ -220,27 +208,22 @@ def main(argv: list[str] | None = None) -> int:
                            staleness=staleness, sampler_step=batch.sampler_step,
                            wait_s=round(waited, 3), sample_s=round(batch.seconds, 3),
                            train_s=round(time.monotonic() - trained, 3))  # fmt: skip
-                log.advance()
-                if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-                    evaluate(done)
-                if run.is_checkpoint_step(done, args.save_every, args.steps):
-                    run.save(tc, done)
+                run.step_done(tc, done, args, log, evaluate)
         finally:
             prefetch.close()
             pool.shutdown()
-        after = evaluate(args.steps)
+        evaluate(args.steps)
         log.close()
-    rows = metrics.read(run.path / "metrics.jsonl")
-    metrics.plot(
-        rows, run.path / "curve.png", f"code_rl on {args.model}",
+    run.finish(
+        f"code_rl on {args.model}",
         {"train replies": ["reward_mean", "pass_rate"], "held-out pass rate (greedy)":
          ["eval_pass_rate"], "staleness (steps)": ["staleness"]},
+        lambda rows: {
+            "held_out_pass_rate_before": metrics.first(rows, "eval_pass_rate"),
+            "held_out_pass_rate_after": metrics.last(rows, "eval_pass_rate"),
+            "max_staleness": max((r["staleness"] for r in rows if "staleness" in r), default=0),
+        },
     )  # fmt: skip
-    print(json.dumps({
-        "held_out_pass_rate_before": before, "held_out_pass_rate_after": after,
-        "max_staleness": max((r["staleness"] for r in rows if "staleness" in r), default=0),
-        "log_dir": str(run.path),
-    }))  # fmt: skip
     return 0
 
 

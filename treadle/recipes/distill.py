@@ -31,7 +31,7 @@ from treadle.recipes.common.batching import batch_at, step_seed
 from treadle.recipes.common.chat import datum, prompt_tokens, supervised_datum
 from treadle.recipes.common.connect import current_sampler, ready, service
 from treadle.recipes.common.evaluate import greedy_score, sample_all
-from treadle.recipes.common.runs import RunFolder, RunFolderError
+from treadle.recipes.common.runs import open_run
 from treadle.recipes.sft import Example, examples, is_correct, train_step
 
 TEACHER = "teacher.json"
@@ -78,11 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-size", type=int, default=400, help="prompts (and teacher examples)")
     p.add_argument("--eval-size", type=int, default=64, help="held-out examples")
     p.add_argument("--max-tokens", type=int, default=40, help="reply length")
-    args = options.parse(p, argv)
-    try:
-        run = RunFolder(args)
-    except RunFolderError as e:
-        p.error(str(e))
+    args, run = open_run(p, argv)
     if run.resumed_from and args.teacher and args.teacher != Teacher.load(run.path).path:
         p.error(
             f"--resume distils from the run's own teacher ({run.path / TEACHER}); drop --teacher"
@@ -118,13 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                        eval_sample=sample)  # fmt: skip
             return accuracy
 
-        log = metrics.MetricsLog(
-            run.path / "metrics.jsonl", start_step=run.start_step, total_steps=args.steps,
-            progress=not args.no_progress, shown=["reverse_kl", "eval_accuracy"],
-        )  # fmt: skip
-        # A resumed run's log keeps the evaluation before step 0 (and any at the checkpoint's step).
-        kept = [r["eval_accuracy"] for r in metrics.read(log.path) if "eval_accuracy" in r]
-        before = kept[0] if kept else evaluate(run.start_step)
+        log = run.metrics_log(args, shown=["reverse_kl", "eval_accuracy"])
+        if not run.resumed_from:  # a resumed run's file already holds it
+            evaluate(0)
         for step in range(run.start_step, args.steps):
             prompts = [prompt_tokens(tokenizer, ex.messages) for ex in
                        batch_at(train, args.batch_size, args.seed, step)]  # fmt: skip
@@ -133,25 +125,21 @@ def main(argv: list[str] | None = None) -> int:
             train_on(tc, rollouts, args.beta, args.learning_rate)
             done = step + 1
             log.record(done, **rollout_metrics(rollouts))
-            log.advance()
-            if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-                evaluate(done)
-            if run.is_checkpoint_step(done, args.save_every, args.steps):
-                run.save(tc, done)
-        after = evaluate(args.steps)
+            run.step_done(tc, done, args, log, evaluate)
+        evaluate(args.steps)
         log.close()
-    rows = metrics.read(run.path / "metrics.jsonl")
-    metrics.plot(
-        rows, run.path / "curve.png", f"distill on {args.model}",
+    run.finish(
+        f"distill on {args.model}",
         {"reverse KL / token (student || teacher)": ["reverse_kl"],
          "held-out accuracy": ["eval_accuracy", "teacher_accuracy"]},
+        lambda rows: {
+            "teacher": teacher.path, "teacher_accuracy": teacher.accuracy,
+            "held_out_accuracy_before": metrics.first(rows, "eval_accuracy"),
+            "held_out_accuracy_after": metrics.last(rows, "eval_accuracy"),
+            "reverse_kl_first": metrics.first(rows, "reverse_kl"),
+            "reverse_kl_last": metrics.last(rows, "reverse_kl"),
+        },
     )  # fmt: skip
-    kl = [r["reverse_kl"] for r in rows if "reverse_kl" in r]
-    print(json.dumps({
-        "teacher": teacher.path, "teacher_accuracy": teacher.accuracy,
-        "held_out_accuracy_before": before, "held_out_accuracy_after": after,
-        "reverse_kl_first": kl[0], "reverse_kl_last": kl[-1], "log_dir": str(run.path),
-    }))  # fmt: skip
     return 0
 
 

@@ -14,7 +14,6 @@ policy itself prefers, and the share of greedy replies that are the bare correct
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from treadle.recipes.common.batching import batch_at
 from treadle.recipes.common.chat import datum, prompt_tokens, reply_tokens
 from treadle.recipes.common.connect import current_sampler, ready, service
 from treadle.recipes.common.evaluate import greedy_score
-from treadle.recipes.common.runs import RunFolder, RunFolderError
+from treadle.recipes.common.runs import open_run
 
 # A pair counts as won when its margin exceeds this (nats). Before the first update the policy is
 # the reference and every margin is a tie; a training forward pass and the sampler then disagree
@@ -136,11 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-size", type=int, default=240, help="training pairs")
     p.add_argument("--eval-size", type=int, default=16, help="held-out pairs (and prompts)")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy reply length at evaluation")
-    args = options.parse(p, argv)
-    try:
-        run = RunFolder(args)
-    except RunFolderError as e:
-        p.error(str(e))
+    args, run = open_run(p, argv)
     train = dpo_data.pairs(args.train_size, seed=args.seed)
     held_out = dpo_data.pairs(args.eval_size, seed=10_000 + args.seed)
     with service(args) as svc:
@@ -178,11 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 eval_sample=replies[0],
             )
 
-        log = metrics.MetricsLog(
-            run.path / "metrics.jsonl", start_step=run.start_step, total_steps=args.steps,
-            progress=not args.no_progress, shown=["loss", "accuracy", "eval_accuracy"],
-        )  # fmt: skip
-        before = evaluate(run.start_step)
+        log = run.metrics_log(args, shown=["loss", "accuracy", "eval_accuracy"])
+        if not run.resumed_from:  # a resumed run's file already holds it
+            evaluate(0)
         for step in range(run.start_step, args.steps):
             indices = batch_at(range(len(train)), args.batch_size, args.seed, step)
             tokens = {i: tokenise(tokenizer, train[i]) for i in indices}
@@ -199,25 +192,21 @@ def main(argv: list[str] | None = None) -> int:
                 done, loss=result["dpo_loss:mean"], accuracy=result["accuracy:mean"],
                 margin=result["margin:mean"],
             )  # fmt: skip
-            log.advance()
-            if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-                evaluate(done)
-            if run.is_checkpoint_step(done, args.save_every, args.steps):
-                run.save(tc, done)
-        after = evaluate(args.steps)
+            run.step_done(tc, done, args, log, evaluate)
+        evaluate(args.steps)
         log.close()
-    metrics.plot(
-        metrics.read(run.path / "metrics.jsonl"), run.path / "curve.png", f"dpo on {args.model}",
+    keys = ("eval_accuracy", "eval_margin", "eval_prefers_chosen", "eval_answer_rate")
+    run.finish(
+        f"dpo on {args.model}",
         {
             "DPO loss (batch)": ["loss"],
             "preference accuracy": ["accuracy", "eval_accuracy"],
             "margin (nats)": ["margin", "eval_margin"],
             "held-out policy": ["eval_answer_rate", "eval_prefers_chosen"],
         },
+        lambda rows: {**{f"{k}_before": metrics.first(rows, k) for k in keys},
+                      **{f"{k}_after": metrics.last(rows, k) for k in keys}},
     )  # fmt: skip
-    keys = ("eval_accuracy", "eval_margin", "eval_prefers_chosen", "eval_answer_rate")
-    print(json.dumps({**{f"{k}_before": before[k] for k in keys},
-                      **{f"{k}_after": after[k] for k in keys}, "log_dir": str(run.path)}))  # fmt: skip
     return 0
 
 

@@ -13,7 +13,6 @@ strict verifier) is measured before training, every --eval-every steps, and afte
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from treadle.recipes.common.batching import batch_at, step_seed
 from treadle.recipes.common.chat import completion_text, datum, prompt_tokens
 from treadle.recipes.common.connect import service
 from treadle.recipes.common.evaluate import greedy_score, sample_all
-from treadle.recipes.common.runs import RunFolder, RunFolderError
+from treadle.recipes.common.runs import open_run
 
 
 @dataclass(frozen=True)
@@ -58,11 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-size", type=int, default=1000, help="training problems")
     p.add_argument("--eval-size", type=int, default=40, help="held-out problems")
     p.add_argument("--max-operand", type=int, default=10, help="largest number in a problem")
-    args = options.parse(p, argv)
-    try:
-        run = RunFolder(args)
-    except RunFolderError as e:
-        p.error(str(e))
+    args, run = open_run(p, argv)
     train = arithmetic.problems(args.train_size, seed=args.seed, max_operand=args.max_operand)
     held_out = arithmetic.problems(
         args.eval_size, seed=10_000 + args.seed, max_operand=args.max_operand
@@ -82,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             log.record(step, eval_accuracy=accuracy, eval_sample=replies[0])
             return accuracy
 
-        log = metrics.MetricsLog(
-            run.path / "metrics.jsonl", start_step=run.start_step, total_steps=args.steps,
-            progress=not args.no_progress, shown=["reward", "loss", "eval_accuracy"],
-        )  # fmt: skip
+        log = run.metrics_log(args, shown=["reward", "loss", "eval_accuracy"])
         if not run.resumed_from:  # a resumed run's file already holds it
             evaluate(0)
         for step in range(run.start_step, args.steps):
@@ -99,22 +91,16 @@ def main(argv: list[str] | None = None) -> int:
                 groups_with_signal=result.groups_with_signal,
                 step_s=round(time.monotonic() - started, 3),
             )  # fmt: skip
-            log.advance()
-            if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-                evaluate(done)
-            if run.is_checkpoint_step(done, args.save_every, args.steps):
-                run.save(tc, done)
-        after = evaluate(args.steps)
+            run.step_done(tc, done, args, log, evaluate)
+        evaluate(args.steps)
         log.close()
-    rows = metrics.read(run.path / "metrics.jsonl")
-    before = metrics.first(rows, "eval_accuracy")
-    metrics.plot(
-        rows, run.path / "curve.png", f"rl_math ({args.loss}) on {args.model}",
+    run.finish(
+        f"rl_math ({args.loss}) on {args.model}",
         {"held-out accuracy (greedy)": ["eval_accuracy"], "train reward (sampled)": ["reward"],
          "loss / token": ["loss"]},
+        lambda rows: {"held_out_accuracy_before": metrics.first(rows, "eval_accuracy"),
+                      "held_out_accuracy_after": metrics.last(rows, "eval_accuracy")},
     )  # fmt: skip
-    print(json.dumps({"held_out_accuracy_before": before, "held_out_accuracy_after": after,
-                      "log_dir": str(run.path)}))  # fmt: skip
     return 0
 
 

@@ -23,7 +23,7 @@ from treadle.recipes.common.batching import batch_at
 from treadle.recipes.common.chat import Messages, prompt_tokens, supervised_datum
 from treadle.recipes.common.connect import current_sampler, service
 from treadle.recipes.common.evaluate import greedy_score
-from treadle.recipes.common.runs import RunFolder, RunFolderError
+from treadle.recipes.common.runs import open_run
 
 SYSTEM = "Extract the person's name, age and city from the sentence. Reply with JSON only."
 FIRST = ["Ada", "Bram", "Cleo", "Dario", "Elin", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kira", "Lars", "Mina", "Noor", "Otto", "Pia", "Quinn", "Rosa", "Sven", "Tara", "Uma", "Vik", "Wren", "Yara", "Zane"]  # fmt: skip
@@ -76,11 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-size", type=int, default=400)
     p.add_argument("--eval-size", type=int, default=64, help="held-out examples")
     p.add_argument("--max-tokens", type=int, default=40, help="reply length at evaluation")
-    args = options.parse(p, argv)
-    try:
-        run = RunFolder(args)
-    except RunFolderError as e:
-        p.error(str(e))
+    args, run = open_run(p, argv)
     train = examples(args.train_size, seed=args.seed)
     held_out = examples(args.eval_size, seed=10_000 + args.seed)
     with service(args) as svc:
@@ -98,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             log.record(step, eval_accuracy=accuracy, eval_sample=replies[0])
             return accuracy
 
-        log = metrics.MetricsLog(
-            run.path / "metrics.jsonl", start_step=run.start_step, total_steps=args.steps,
-            progress=not args.no_progress, shown=["loss", "eval_accuracy"],
-        )  # fmt: skip
+        log = run.metrics_log(args, shown=["loss", "eval_accuracy"])
         if not run.resumed_from:  # a resumed run's file already holds it
             evaluate(0)
         for step in range(run.start_step, args.steps):
@@ -110,21 +103,15 @@ def main(argv: list[str] | None = None) -> int:
             loss = train_step(tc, batch, args.learning_rate)
             done = step + 1
             log.record(done, loss=loss)
-            log.advance()
-            if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-                evaluate(done)
-            if run.is_checkpoint_step(done, args.save_every, args.steps):
-                run.save(tc, done)
-        after = evaluate(args.steps)
+            run.step_done(tc, done, args, log, evaluate)
+        evaluate(args.steps)
         log.close()
-    rows = metrics.read(run.path / "metrics.jsonl")
-    before = metrics.first(rows, "eval_accuracy")
-    metrics.plot(
-        rows, run.path / "curve.png",
-        f"sft on {args.model}", {"train loss / token": ["loss"], "held-out accuracy": ["eval_accuracy"]},
+    run.finish(
+        f"sft on {args.model}",
+        {"train loss / token": ["loss"], "held-out accuracy": ["eval_accuracy"]},
+        lambda rows: {"held_out_accuracy_before": metrics.first(rows, "eval_accuracy"),
+                      "held_out_accuracy_after": metrics.last(rows, "eval_accuracy")},
     )  # fmt: skip
-    print(json.dumps({"held_out_accuracy_before": before, "held_out_accuracy_after": after,
-                      "log_dir": str(run.path)}))  # fmt: skip
     return 0
 
 

@@ -57,6 +57,11 @@ def first(rows: list[dict[str, Any]], key: str) -> Any:
     return next((row[key] for row in rows if row.get(key) is not None), None)
 
 
+def last(rows: list[dict[str, Any]], key: str) -> Any:
+    """The latest value of `key` (e.g. the evaluation after training), or None."""
+    return first(rows[::-1], key)
+
+
 def read(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

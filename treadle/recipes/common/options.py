@@ -72,6 +72,14 @@ def parser(
     return p
 
 
+def non_negative(text: str) -> int:
+    """An argparse type: an integer 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the combinations argparse cannot."""
     args = p.parse_args(argv)

@@ -11,10 +11,12 @@ import argparse
 import json
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from treadle.recipes.common import metrics, options
 from treadle.recipes.common.connect import ready
 
 CHECKPOINT = "checkpoint.json"
@@ -32,6 +34,18 @@ class Checkpoint:
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "state": self.state}
+
+
+def open_run(
+    p: argparse.ArgumentParser, argv: list[str] | None = None
+) -> tuple[argparse.Namespace, RunFolder]:
+    """Parse the command line and open --log-dir; a folder that does not fit the flags is a
+    usage error (exit status 2, with what to do)."""
+    args = options.parse(p, argv)
+    try:
+        return args, RunFolder(args)
+    except RunFolderError as e:
+        p.error(str(e))
 
 
 class RunFolder:
@@ -83,5 +97,38 @@ class RunFolder:
         os.replace(tmp, self.path / CHECKPOINT)
         return checkpoint
 
-    def is_checkpoint_step(self, step: int, every: int, last: int) -> bool:
-        return step == last or (every > 0 and step % every == 0)
+    def metrics_log(self, args: argparse.Namespace, shown: Sequence[str]) -> metrics.MetricsLog:
+        """metrics.jsonl, opened at this run's step (a resumed run keeps the rows up to it)."""
+        return metrics.MetricsLog(
+            self.path / "metrics.jsonl", start_step=self.start_step, total_steps=args.steps,
+            progress=not args.no_progress, shown=shown,
+        )  # fmt: skip
+
+    def step_done(
+        self,
+        tc: Any,
+        done: int,
+        args: argparse.Namespace,
+        log: metrics.MetricsLog,
+        evaluate: Callable[[int], object],
+    ) -> None:
+        """After optimizer step `done`: the bar moves, an evaluation every --eval-every steps
+        (the last step's is the recipe's own, after its loop) and a checkpoint every
+        --save-every steps and after the last."""
+        log.advance()
+        if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+            evaluate(done)
+        if done == args.steps or (args.save_every > 0 and done % args.save_every == 0):
+            self.save(tc, done)
+
+    def finish(
+        self,
+        title: str,
+        panels: dict[str, list[str]],
+        summary: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    ) -> None:
+        """Draw curve.png from metrics.jsonl and print the run's summary (computed from the
+        rows, so a resumed run reports the evaluation its first half made) as the last line."""
+        rows = metrics.read(self.path / "metrics.jsonl")
+        metrics.plot(rows, self.path / "curve.png", title, panels)
+        print(json.dumps({**summary(rows), "log_dir": str(self.path)}))
