@@ -1,21 +1,22 @@
 """Sampling throughput: 16 concurrent `sample` requests through the SDK against the worker's
 batched decoding, relative to plain transformers `generate` on the same prompts in one batch.
 
-First the in-process baseline: the catalogue's model (the same weights the worker loads), greedy
+The in-process baseline: the catalogue's model (the same weights the worker loads), greedy
 `generate` of `--new-tokens` tokens for `--requests` prompts of `--prompt-tokens` tokens, as one
-left-padded batch. Then the embedded platform (`treadle up`, one worker) and, through Treadle's
-SDK, the same prompts as `--requests` concurrent requests (greedy, no early stop): on one
-session's sampler, then on `--requests` sessions (each its own adapter), and one at a time for
-reference. Each concurrent run's tokens are checked equal to the one-at-a-time run's. Prints
-median tokens/s and the ratios; record them in docs/benchmarks.md.
+batch, loaded once in this process. The platform: the embedded one (`treadle up`, one worker)
+and, through Treadle's SDK, the same prompts as `--requests` concurrent requests (greedy, no
+early stop) on one session's sampler, and on `--requests` sessions (each its own adapter); once
+one at a time for reference. `--trials` rounds run the three (baseline, one session, many) in a
+rotating order, so the machine's drifting load falls on all alike; each concurrent run's tokens
+are checked equal to the one-at-a-time run's. Prints median tokens/s and the median of each
+round's ratio to that round's baseline; record them in docs/benchmarks.md.
 
-Usage: python benchmarks/sampling.py [--model treadle/tiny-debug] [--trials 3]
+Usage: python benchmarks/sampling.py [--model treadle/tiny-debug] [--trials 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import secrets
 import shutil
 import statistics
@@ -42,32 +43,34 @@ def prompts(count: int, length: int) -> list[list[int]]:
     return [[(97 * i + 31 * j) % 5000 + 100 for j in range(length)] for i in range(count)]
 
 
-def baseline(model_name: str, prompts_B: list[list[int]], new_tokens: int, trials: int) -> float:
-    """Median tokens/s of transformers' batched greedy `generate` in this process."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, tokenizer = load_base_model(model_name, DEFAULT_CACHE_DIR, device, dtype)
-    ids_B_T = torch.tensor(prompts_B, device=device)
-    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    rates = []
-    for trial in range(trials + 1):  # the first is a warm-up
+class Baseline:
+    """transformers' batched greedy `generate` in this process, on the catalogue's model (the
+    same weights the worker loads), kept loaded for the whole run."""
+
+    def __init__(self, model_name: str, prompts_B: list[list[int]], new_tokens: int) -> None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        self.model, tokenizer = load_base_model(model_name, DEFAULT_CACHE_DIR, device, dtype)
+        self.ids_B_T = torch.tensor(prompts_B, device=device)
+        self.pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self.new_tokens = new_tokens
+        self.rate()  # warm-up
+
+    def rate(self) -> float:
+        """Tokens/s of one batched `generate` of every prompt."""
         started = time.perf_counter()
         with torch.inference_mode():
-            out_B_T = model.generate(
-                input_ids=ids_B_T,
-                attention_mask=torch.ones_like(ids_B_T),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
+            out_B_T = self.model.generate(
+                input_ids=self.ids_B_T,
+                attention_mask=torch.ones_like(self.ids_B_T),
+                max_new_tokens=self.new_tokens,
+                min_new_tokens=self.new_tokens,
                 do_sample=False,
-                pad_token_id=pad,
+                pad_token_id=self.pad,
             )
         seconds = time.perf_counter() - started
-        assert out_B_T.shape[1] == ids_B_T.shape[1] + new_tokens
-        if trial:
-            rates.append(len(prompts_B) * new_tokens / seconds)
-    del model
-    gc.collect()
-    return statistics.median(rates)
+        assert out_B_T.shape[1] == self.ids_B_T.shape[1] + self.new_tokens
+        return len(self.ids_B_T) * self.new_tokens / seconds
 
 
 def concurrent(
@@ -95,15 +98,27 @@ def one_at_a_time(
     return sum(map(len, tokens)) / seconds, tokens
 
 
-def median_rate(
-    run: Callable[[], tuple[float, list[list[int]]]], trials: int, expected: list[list[int]]
-) -> float:
-    rates = []
-    for _ in range(trials):
-        rate, tokens = run()
+def alternating(runs: dict[str, Callable[[], float]], trials: int) -> dict[str, list[float]]:
+    """Each run's rates over `trials` rounds; every round runs each once, in an order that
+    rotates, so the machine's drifting load falls on all of them alike."""
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for trial in range(trials):
+        shift = trial % len(names)
+        for name in names[shift:] + names[:shift]:
+            rates[name].append(runs[name]())
+    return rates
+
+
+def checked(
+    run: Callable[[], tuple[float, list[list[int]]]], expected: list[list[int]]
+) -> Callable[[], float]:
+    def rate() -> float:
+        tokens_per_s, tokens = run()
         assert tokens == expected, "batched sampling changed a request's tokens"
-        rates.append(rate)
-    return statistics.median(rates)
+        return tokens_per_s
+
+    return rate
 
 
 def main() -> int:
@@ -112,10 +127,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=24)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=5)
     args = parser.parse_args()
     prompts_B = prompts(args.requests, args.prompt_tokens)
-    base_rate = baseline(args.model, prompts_B, args.new_tokens, args.trials)
+    baseline = Baseline(args.model, prompts_B, args.new_tokens)
     params = treadle.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, stop=[])
     data_dir = Path(tempfile.mkdtemp(prefix="treadle-sampling-bench-"))
     key = "tml-bench-" + secrets.token_hex(8)
@@ -129,27 +144,39 @@ def main() -> int:
             samplers = [tc.save_weights_and_get_sampling_client() for tc in trainers]
             one_at_a_time(samplers[:1], prompts_B[:2], params)  # warm-up
             serial_rate, expected = one_at_a_time(samplers[:1], prompts_B, params)
-            one_rate = median_rate(
-                lambda: concurrent(samplers[:1], prompts_B, params), args.trials, expected
-            )
-            many_rate = median_rate(
-                lambda: concurrent(samplers, prompts_B, params), args.trials, expected
+            concurrent(samplers, prompts_B, params)  # warm-up: every snapshot's first batch
+            rates = alternating(
+                {
+                    "generate": baseline.rate,
+                    "one session": checked(
+                        lambda: concurrent(samplers[:1], prompts_B, params), expected
+                    ),
+                    "sessions": checked(lambda: concurrent(samplers, prompts_B, params), expected),
+                },
+                args.trials,
             )
             svc.close()
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
+    base = rates["generate"]
+
+    def line(label: str, values: list[float]) -> str:
+        ratios = [v / b for v, b in zip(values, base, strict=True)]
+        return (f"  {label:36s} {statistics.median(values):8.1f} tokens/s "
+                f"({statistics.median(ratios):.2f}x; per round {[round(r, 2) for r in ratios]})")  # fmt: skip
+
     n = args.requests
     print(
         f"{n} requests x {args.prompt_tokens}-token prompts x {args.new_tokens} new tokens on "
-        f"{args.model}, greedy, median of {args.trials} trials:"
+        f"{args.model}, greedy, {args.trials} rounds; medians, and the median of each round's "
+        "ratio to its baseline:"
     )
-    print(f"  in-process batched generate:        {base_rate:8.1f} tokens/s")
-    print(f"  SDK, one at a time:                 {serial_rate:8.1f} tokens/s "
-          f"({serial_rate / base_rate:.2f}x)")  # fmt: skip
-    print(f"  SDK, {n} concurrent on 1 session:    {one_rate:8.1f} tokens/s "
-          f"({one_rate / base_rate:.2f}x)")  # fmt: skip
-    print(f"  SDK, {n} concurrent on {n} sessions: {many_rate:8.1f} tokens/s "
-          f"({many_rate / base_rate:.2f}x)")  # fmt: skip
+    print(f"  {'in-process batched generate':36s} {statistics.median(base):8.1f} tokens/s "
+          f"(per round {[round(b, 1) for b in base]})")  # fmt: skip
+    print(f"  {'SDK, one at a time (once)':36s} {serial_rate:8.1f} tokens/s "
+          f"({serial_rate / statistics.median(base):.2f}x)")  # fmt: skip
+    print(line(f"SDK, {n} concurrent on 1 session", rates["one session"]))
+    print(line(f"SDK, {n} concurrent on {n} sessions", rates["sessions"]))
     return 0
 
 

@@ -237,8 +237,9 @@ def test_each_worker_serves_its_gauges_labelled_with_its_id(platform: Platform) 
         for name in ("treadle_operations_in_flight", "treadle_operations_queued",
                      "treadle_sessions_live"):  # fmt: skip
             assert _sum(samples, name) >= 0 and any(n == name for n, _ in samples), name
-        assert {dict(labels)["state"] for (name, labels) in samples
-                if name == "treadle_adapters"} == {"resident", "paged"}  # fmt: skip
+        for gauge in ("treadle_adapters", "treadle_snapshots"):
+            assert {dict(labels)["state"] for (name, labels) in samples
+                    if name == gauge} == {"resident", "paged"}, gauge  # fmt: skip
         assert _sum(samples, "treadle_process_resident_memory_bytes", component="worker") > 0
         assert _sum(samples, "process_resident_memory_bytes") > 0
 

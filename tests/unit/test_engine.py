@@ -15,6 +15,7 @@ from engine_support import (
     LORA,
     TINY,
     bare_model,
+    ce_datum,
     logprobs,
     new_adapter,
     randomise_b,
@@ -23,6 +24,12 @@ from engine_support import (
 
 from treadle.gpu_worker import models
 from treadle.gpu_worker.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
+from treadle.gpu_worker.losses import (
+    MICROBATCH_LOGITS,
+    MICROBATCH_TOKENS,
+    microbatches,
+    padded_tokens,
+)
 from treadle.platform.catalog import SMOLLM2_NAME
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
 
@@ -135,6 +142,44 @@ def test_two_half_batches_accumulate_like_one_batch(engine: Engine) -> None:
         engine.adapter_weights(halves).items(), engine.adapter_weights(whole).values(), strict=True
     ):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_microbatches_keep_their_logits_within_the_bound() -> None:
+    def datum(n: int) -> dict[str, np.ndarray]:
+        return {"tokens": np.zeros(n, np.int64)}
+
+    vocab = 49_152  # MICROBATCH_LOGITS // vocab = 682 padded tokens a pass
+    groups = microbatches([datum(n) for n in (300, 300, 300, 100, 50, 2000, 10)], vocab)
+    assert [[len(a["tokens"]) for a in g] for g in groups] == [
+        [300, 300],
+        [300, 100],
+        [50],
+        [2000],
+        [10],
+    ]  # a datum longer than the bound runs alone
+    assert all(padded_tokens(g) * vocab <= MICROBATCH_LOGITS for g in groups if len(g) > 1)
+    small = microbatches([datum(300)] * 6, 1000)  # a small vocabulary: the token bound rules
+    assert len(small) == 1 and padded_tokens(small[0]) <= MICROBATCH_TOKENS
+
+
+def test_a_batch_run_in_several_passes_equals_its_passes_as_calls(engine: Engine) -> None:
+    """A batch whose logits exceed one pass's bound: the grads of its passes add up like
+    separate calls on its parts (what the split must not change)."""
+    rng = np.random.default_rng(5)
+    data = [ce_datum([int(t) for t in rng.integers(1, 49_000, n)]) for n in (400, 390, 380)]
+    assert len(microbatches([{"tokens": np.asarray(d.tokens)} for d in data], 49_152)) == 3
+    parts, whole = new_adapter(engine), new_adapter(engine)
+    randomise_b(engine, parts, seed=1)
+    randomise_b(engine, whole, seed=1)
+    losses = [
+        engine.forward_backward(parts, [d], "cross_entropy").metrics["loss:sum"] for d in data
+    ]
+    both = engine.forward_backward(whole, data, "cross_entropy").metrics["loss:sum"]
+    assert sum(losses) == pytest.approx(both, rel=1e-6)
+    for (name, x), y in zip(
+        engine.adapter_grads(parts).items(), engine.adapter_grads(whole).values(), strict=True
+    ):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_forward_only_changes_no_state(engine: Engine) -> None:

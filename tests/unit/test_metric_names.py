@@ -124,6 +124,7 @@ def test_the_catalogue_names_exist() -> None:
         "treadle_operations_queued": {"worker"},
         "treadle_sessions_live": {"worker"},
         "treadle_adapters": {"worker", "state"},
+        "treadle_snapshots": {"worker", "state"},
         "treadle_tokens": {"token_class", "base_model", "tenant"},
         "treadle_cost_usd": {"token_class", "base_model", "tenant"},
         "treadle_recoveries": {"outcome"},

@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from treadle.gpu_worker.lora import LoraHost, LoraWeights, RowAdapters
+from treadle.gpu_worker.losses import MICROBATCH_LOGITS
 from treadle.gpu_worker.prompt_scores import (
     PromptScores,
     PromptScoring,
@@ -177,6 +178,11 @@ class DecodeBatch:
     def __contains__(self, key: Key) -> bool:
         return key in self._states
 
+    @property
+    def rows(self) -> int:
+        """Rows decoding (each job's samples), what the next step's forward pass computes."""
+        return len(self._owner_R)
+
     def drawn(self, key: Key) -> tuple[list[list[int]], list[list[float]]]:
         """What job `key` (still decoding) has drawn so far: each sample's tokens and their
         logprobs (live lists: copy what must not change at the next step)."""
@@ -191,15 +197,16 @@ class DecodeBatch:
             return []
         states = {key: _Decoding(job, self._device, self._eos_token_id) for key, job in jobs}
         with torch.inference_mode():
-            rows = self._prefill([job for _, job in jobs], [states[key] for key, _ in jobs])
-            owner_R = [key for key, job in jobs for _ in range(job.num_samples)]
-            owner_R, rows = self._without_done(states, owner_R, rows)
-            if self._rows is None or not self._owner_R:
-                self._rows = rows
-                self._owner_R = owner_R
-            elif owner_R:
-                self._rows = self._rows.merged(rows)
-                self._owner_R = self._owner_R + owner_R
+            for group in self._prefill_groups(jobs):
+                rows = self._prefill([job for _, job in group], [states[key] for key, _ in group])
+                owner_R = [key for key, job in group for _ in range(job.num_samples)]
+                owner_R, rows = self._without_done(states, owner_R, rows)
+                if self._rows is None or not self._owner_R:
+                    self._rows = rows
+                    self._owner_R = owner_R
+                elif owner_R:
+                    self._rows = self._rows.merged(rows)
+                    self._owner_R = self._owner_R + owner_R
         self._states.update({key: s for key, s in states.items() if not s.done})
         return [(key, s.result()) for key, s in states.items() if s.done]
 
@@ -235,6 +242,21 @@ class DecodeBatch:
                 rows = self._forward(rows, chosen_R)
             self._rows = rows if self._owner_R else None
         return [(key, self._states.pop(key).result()) for key in finished]
+
+    def _prefill_groups(
+        self, jobs: list[tuple[Key, SampleJob]]
+    ) -> list[list[tuple[Key, SampleJob]]]:
+        """`jobs` in consecutive groups, each prefilled in one pass, whose logits (jobs x the
+        positions the group keeps x vocabulary) stay within `MICROBATCH_LOGITS`: prompts scored
+        whole keep every position, so one pass over many long ones would hold gigabytes."""
+        vocab = int(self._model.config.vocab_size)
+        groups: list[list[tuple[Key, SampleJob]]] = []
+        for key, job in jobs:
+            if groups and _prefill_logits([*groups[-1], (key, job)]) * vocab <= MICROBATCH_LOGITS:
+                groups[-1].append((key, job))
+            else:
+                groups.append([(key, job)])
+        return groups
 
     def _prefill(self, jobs: list[SampleJob], states: list[_Decoding]) -> _Rows:
         """The jobs' prompts in one left-padded forward pass: their prompt scores, and one row
@@ -357,6 +379,13 @@ class _Rows:
             next_R=torch.cat([self.next_R, other.next_R]),
             adapters=self.adapters.merged(other.adapters),
         )
+
+
+def _prefill_logits(jobs: Sequence[tuple[Key, SampleJob]]) -> int:
+    """Rows x positions of the logits that one prefill of `jobs` keeps (see `_prefill`)."""
+    keeps_J = [job.scoring.logits_to_keep(len(job.prompt)) for _, job in jobs]
+    kept = max(len(job.prompt) for _, job in jobs) if 0 in keeps_J else max(keeps_J)
+    return len(jobs) * kept
 
 
 def _kv_layers(cache: DynamicCache) -> list[_KV]:

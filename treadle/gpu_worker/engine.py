@@ -3,7 +3,8 @@
 Owns adapters (weights, accumulated grads, Adam state), snapshots for sampling and the base models
 they share (one per name, loaded lazily). Idle adapters page out and come back on use, never
 dropped (`paging`): at most `max_resident_adapters` on the accelerator, at most
-`max_loaded_adapters` in memory at all, the rest in spill files on local disk.
+`max_loaded_adapters` in memory at all, the rest in spill files on local disk; snapshots the same
+way, at most `max_loaded_snapshots` in memory (`snapshots`).
 Knows token ids, not HTTP or databases: a prepared batch goes in, one result or one error comes
 out. Losses live in `losses`, the decode loop in `batching`, the LoRA mechanics in `lora`.
 Must not import flask, sqlalchemy, celery or treadle.api.
@@ -22,10 +23,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from treadle.gpu_worker import adapter_files, batching, fingerprint, sampler
 from treadle.gpu_worker.batching import SampleJob, SampleRequest
-from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, LoraWeights, TrainableLora
-from treadle.gpu_worker.losses import EngineDatum, batch_loss, get_loss, microbatches, validate_data
+from treadle.gpu_worker.cpu_threads import threads_for
+from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, TrainableLora
+from treadle.gpu_worker.losses import (
+    MICROBATCH_LOGITS,
+    EngineDatum,
+    batch_loss,
+    get_loss,
+    microbatches,
+    padded_tokens,
+    validate_data,
+)
 from treadle.gpu_worker.models import load_base_model
-from treadle.gpu_worker.paging import Paging
+from treadle.gpu_worker.paging import Paging, return_free_memory
 from treadle.gpu_worker.sampler import (
     PromptScoring,
     PromptTargets,
@@ -33,8 +43,14 @@ from treadle.gpu_worker.sampler import (
     SampleResult,
     SamplingSpec,
 )
+from treadle.gpu_worker.snapshots import Snapshot, Snapshots
 from treadle.platform.catalog import BaseModelInfo, get_base_model
-from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
+from treadle.platform.errors import (
+    ConflictError,
+    NotFoundError,
+    UnavailableError,
+    ValidationError,
+)
 from treadle.platform.losses import resolve_config
 from treadle.platform.tokenizers import load_tokenizer, tokenizer_files
 
@@ -53,6 +69,9 @@ __all__ = [
     "STATE_PARTS",
 ]
 
+# An AdamW step's work per adapter parameter, in `cpu_threads`' multiply-adds (a dozen
+# elementwise operations, each reading and writing the parameter's state).
+OPTIMIZER_WORK_PER_PARAMETER = 16
 # The parts of an adapter's state `state_hashes` can fingerprint.
 STATE_PARTS = ("weights", "grads", "optimizer")
 Interrupt = Callable[[], None]  # raises to stop a long call at its next step boundary
@@ -71,6 +90,7 @@ class _Base:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerFast
     host: LoraHost
+    parameters: int  # multiply-adds a token costs in a forward pass, roughly (`cpu_threads`)
 
 
 @dataclass
@@ -79,13 +99,6 @@ class _Adapter:
     spec: LoraSpec
     lora: TrainableLora
     snapshots: set[str] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    adapter_id: str | None  # None: loaded from files
-    base_model: str
-    weights: LoraWeights
 
 
 class Engine:
@@ -98,7 +111,8 @@ class Engine:
     `max_loaded_adapters`, at most that many adapters' weights, grads and Adam state stay in
     memory (the accelerator's included); the least recently used others are written to one file
     each under `spill_dir` (see `paging`) and read back, bit for bit, when next used. Snapshots
-    for sampling do not count and always stay in memory.
+    for sampling do not count toward that limit: with `max_loaded_snapshots`, at most that many
+    stay in memory and the least recently used others page out the same way (`snapshots`).
     """
 
     def __init__(
@@ -108,6 +122,7 @@ class Engine:
         device: str | None = None,
         max_resident_adapters: int = 16,
         max_loaded_adapters: int | None = None,
+        max_loaded_snapshots: int | None = None,
         spill_dir: Path | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
@@ -124,7 +139,9 @@ class Engine:
             max_loaded=max_loaded_adapters,
             spill_dir=spill_dir,
         )
-        self._snapshots: dict[str, _Snapshot] = {}
+        self._snapshots = Snapshots(
+            device=self.device, max_loaded=max_loaded_snapshots, spill_dir=spill_dir
+        )
         self._tokenizers: dict[str, PreTrainedTokenizerFast] = {}
         self._lock = threading.RLock()
 
@@ -159,10 +176,9 @@ class Engine:
             adapter = self._record(adapter_id)
             for snapshot_id in adapter.snapshots:
                 if keep_snapshots:
-                    old = self._snapshots[snapshot_id]
-                    self._snapshots[snapshot_id] = _Snapshot(None, old.base_model, old.weights)
+                    self._snapshots.orphan(snapshot_id)
                 else:
-                    self._snapshots.pop(snapshot_id, None)
+                    self._snapshots.drop(snapshot_id)
             del self._adapters[adapter_id]
             self._paging.forget(adapter_id)  # and its spill file
 
@@ -185,6 +201,16 @@ class Engine:
         """(adapters in memory, adapters paged out to disk), without waiting for the running
         call (see `Paging.counts`)."""
         return self._paging.counts()
+
+    def snapshot_counts(self) -> tuple[int, int]:
+        """(snapshots in memory, snapshots paged out to disk), without waiting for the running
+        call."""
+        return self._snapshots.counts()
+
+    def spilled_snapshots(self) -> dict[str, Path]:
+        """The snapshots paged out to disk, each with its file."""
+        with self._lock:
+            return self._snapshots.spilled()
 
     def adapter_device(self, adapter_id: str) -> torch.device:
         """Where the adapter's weights, grads and Adam moments are now (one paged out to disk
@@ -262,8 +288,15 @@ class Engine:
             )
             outputs: list[dict[str, np.ndarray]] = []
             total = 0.0
-            with base.host.use(adapter.lora.weights), torch.set_grad_enabled(not forward_only):
-                for chunk in microbatches(arrays):
+            vocab_size = base.model.config.vocab_size
+            chunks = microbatches(arrays, vocab_size)
+            work = sum(padded_tokens(chunk) for chunk in chunks) * base.parameters
+            with (
+                threads_for(work if forward_only else 3 * work, self.device),
+                base.host.use(adapter.lora.weights),
+                torch.set_grad_enabled(not forward_only),
+            ):
+                for chunk in chunks:
                     if interrupt is not None:
                         interrupt()
                     chunk_outputs, chunk_loss = batch_loss(base.model, chunk, loss, config)
@@ -271,6 +304,11 @@ class Engine:
                         chunk_loss.backward()
                     outputs.extend(chunk_outputs)
                     total += float(chunk_loss.detach())
+            if sum(padded_tokens(chunk) for chunk in chunks) * vocab_size >= MICROBATCH_LOGITS // 4:
+                # The passes' activations went back to the C heap, which keeps their pages
+                # (gigabytes after a large batch) in the worker's memory unless told to return
+                # them; a small call is not worth the trim (about 1 ms).
+                return_free_memory()
         train_tokens = sum(len(a["tokens"]) for a in arrays)
         return ForwardBackwardResult(outputs, {"loss:sum": total}, train_tokens)
 
@@ -278,7 +316,9 @@ class Engine:
         """Apply the grads accumulated since the last step with AdamW(`adam`), then zero them.
         Returns `grad_norm:mean` (before clipping) and `learning_rate:mean`."""
         with self._lock:
-            return self._use(adapter_id).lora.step(adam)
+            lora = self._use(adapter_id).lora
+            with threads_for(OPTIMIZER_WORK_PER_PARAMETER * lora.numel(), self.device):
+                return lora.step(adam)
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -289,7 +329,7 @@ class Engine:
             adapter = self._use(adapter_id)  # so the copy is made on the accelerator
             self.drop_snapshot(snapshot_id)
             frozen = adapter.lora.weights.frozen_copy()
-            self._snapshots[snapshot_id] = _Snapshot(adapter_id, adapter.base_model, frozen)
+            self._snapshots.put(snapshot_id, Snapshot(adapter_id, adapter.base_model, frozen))
             adapter.snapshots.add(snapshot_id)
 
     def has_snapshot(self, snapshot_id: str) -> bool:
@@ -298,9 +338,10 @@ class Engine:
     def drop_snapshot(self, snapshot_id: str) -> None:
         """Forget a snapshot; no-op if there is none of that id."""
         with self._lock:
-            snap = self._snapshots.pop(snapshot_id, None)
-            if snap is not None and snap.adapter_id in self._adapters:
-                self._adapters[snap.adapter_id].snapshots.discard(snapshot_id)
+            adapter_id = self._snapshots.adapter_of(snapshot_id)
+            self._snapshots.drop(snapshot_id)
+            if adapter_id in self._adapters:
+                self._adapters[adapter_id].snapshots.discard(snapshot_id)
 
     def sample(
         self,
@@ -440,7 +481,7 @@ class Engine:
         with self._lock:
             _, lora = self._read(folder, base_model, optimizer=False)
             self.drop_snapshot(snapshot_id)
-            self._snapshots[snapshot_id] = _Snapshot(None, base_model, lora.weights.frozen_copy())
+            self._snapshots.put(snapshot_id, Snapshot(None, base_model, lora.weights.frozen_copy()))
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -449,7 +490,8 @@ class Engine:
             if name not in self._bases:
                 info = get_base_model(name)
                 model, tokenizer = load_base_model(name, self.cache_dir, self.device, self.dtype)
-                self._bases[name] = _Base(info, model, tokenizer, LoraHost(model))
+                parameters = sum(p.numel() for p in model.parameters())
+                self._bases[name] = _Base(info, model, tokenizer, LoraHost(model), parameters)
             return self._bases[name]
 
     def _read(
@@ -492,6 +534,7 @@ class SampleBatch:
     def __init__(self, engine: Engine, base: _Base) -> None:
         self._engine = engine
         self._base_model = base.info.name
+        self._parameters = base.parameters
         tokenizer = base.tokenizer
         self._decoding = batching.DecodeBatch(
             base.model,
@@ -517,13 +560,17 @@ class SampleBatch:
                             f"this batch samples {self._base_model!r}, not {request.base_model!r}"
                         )
                     jobs.append((key, self._engine._job(request)))
-                except (ValidationError, NotFoundError) as exc:
+                except (ValidationError, NotFoundError, UnavailableError) as exc:
                     finished.append((key, exc))
-            return finished + self._decoding.add(jobs)
+            tokens = sum(len(job.prompt) for _, job in jobs)
+            with threads_for(tokens * self._parameters, self._engine.device):
+                return finished + self._decoding.add(jobs)
 
     def step(self, interrupt: Interrupt | None = None) -> batching.Finished:
         with self._engine._lock:
-            return self._decoding.step(interrupt)
+            work = self._decoding.rows * self._parameters
+            with threads_for(work, self._engine.device):
+                return self._decoding.step(interrupt)
 
     def drawn(self, key: batching.Key) -> tuple[list[list[int]], list[list[float]]]:
         """See `batching.DecodeBatch.drawn` (read between steps, by the thread that steps)."""

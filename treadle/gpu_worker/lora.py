@@ -361,6 +361,10 @@ class TrainableLora:
     def device(self) -> torch.device:
         return next(iter(self.weights.A.values())).device
 
+    def numel(self) -> int:
+        """The adapter's parameters (weights only)."""
+        return sum(t.numel() for t in self.weights.parameters())
+
     def grads(self) -> list[tuple[str, torch.Tensor]]:
         """The accumulated grad of every tensor (zeros where none yet), named as `tensors()`."""
         return [

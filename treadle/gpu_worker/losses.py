@@ -29,17 +29,25 @@ from treadle.platform.losses import (
 
 __all__ = [
     "LOSSES",
+    "MICROBATCH_LOGITS",
     "MICROBATCH_TOKENS",
     "EngineDatum",
     "LossFn",
     "batch_loss",
     "get_loss",
     "microbatches",
+    "padded_tokens",
     "validate_data",
 ]
 
 # Padded tokens per forward pass; bigger batches run as several passes whose grads add up.
 MICROBATCH_TOKENS = 16384
+# Logits per forward pass (padded tokens x vocabulary): a pass holds several float32 tensors of
+# this size at once (the logits, the unembedding LoRA's delta, log-softmax and its gradient), so
+# this, not the token count, bounds a large vocabulary's memory. 2**25 is 128 MiB a tensor, 682
+# tokens of a 49,152-token vocabulary; smaller passes were not slower on the CPU
+# (docs/benchmarks.md, "Memory of a forward_backward").
+MICROBATCH_LOGITS = 2**25
 
 Tensor = torch.Tensor
 Compute = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
@@ -230,14 +238,18 @@ def _token_array(i: int, name: str, values: object, vocab_size: int) -> np.ndarr
     return tokens
 
 
-def microbatches(arrays: list[dict[str, np.ndarray]]) -> list[list[dict[str, np.ndarray]]]:
-    """Consecutive groups whose padded size (rows x longest) stays within MICROBATCH_TOKENS."""
+def microbatches(
+    arrays: list[dict[str, np.ndarray]], vocab_size: int
+) -> list[list[dict[str, np.ndarray]]]:
+    """Consecutive groups whose padded size (rows x longest) stays within MICROBATCH_TOKENS and
+    whose logits stay within MICROBATCH_LOGITS (a datum longer than that runs alone)."""
+    limit = max(1, min(MICROBATCH_TOKENS, MICROBATCH_LOGITS // vocab_size))
     groups: list[list[dict[str, np.ndarray]]] = []
     current: list[dict[str, np.ndarray]] = []
     width = 0
     for a in arrays:
         n = len(a["tokens"])
-        if current and (len(current) + 1) * max(width, n) > MICROBATCH_TOKENS:
+        if current and (len(current) + 1) * max(width, n) > limit:
             groups.append(current)
             current, width = [], 0
         current.append(a)
@@ -245,6 +257,11 @@ def microbatches(arrays: list[dict[str, np.ndarray]]) -> list[list[dict[str, np.
     if current:
         groups.append(current)
     return groups
+
+
+def padded_tokens(arrays: list[dict[str, np.ndarray]]) -> int:
+    """Rows x longest: the positions one pass over `arrays` computes."""
+    return len(arrays) * max(len(a["tokens"]) for a in arrays)
 
 
 def batch_loss(

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from treadle.gpu_worker.lora import TrainableLora
 
-__all__ = ["Paging", "SPILL_SUFFIX"]
+__all__ = ["Paging", "SPILL_SUFFIX", "return_free_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class Paging:
                 break
             spilled += 1
         if spilled:
-            _return_free_memory()
+            return_free_memory()
 
     def _spill(self, adapter_id: str) -> bool:
         """Write the adapter's state to its file (atomically: a temporary file renamed into
@@ -178,7 +178,7 @@ class Paging:
         path.unlink(missing_ok=True)
 
 
-def _return_free_memory() -> None:
+def return_free_memory() -> None:
     """Hand the pages just freed back to the OS. The CPU allocator returns a freed tensor to
     glibc's heap, which keeps its pages mapped (and counted in the process's RSS) for reuse;
     `malloc_trim` releases free pages, so the limit shows in the worker's memory, not only in its

@@ -161,6 +161,7 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         cache_dir=config.cache_dir,
         device=config.device,
         max_loaded_adapters=config.max_loaded_adapters or None,  # 0: no limit
+        max_loaded_snapshots=config.max_loaded_snapshots or None,
         spill_dir=config.spill_dir(worker_id),
     )
     host = SessionHost(

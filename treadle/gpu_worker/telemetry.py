@@ -4,8 +4,8 @@
 any free one) and returns the URL that goes into the worker's heartbeat ("metrics_url").
 `settled` counts a newly settled operation (by type and outcome), observes its queue wait
 (admission to execution start) and execution time, and writes its "treadle.operations" line.
-The gauges (operations in flight and queued, live sessions, adapters in memory and paged out,
-device memory) are read at scrape time by `WorkerGauges`, never refreshed on a timer; reading
+The gauges (operations in flight and queued, live sessions, adapters and snapshots in memory and
+paged out, device memory) are read at scrape time by `WorkerGauges`, never refreshed on a timer; reading
 them never waits for a running operation. Recoveries and replayed operations are counted in
 `recovery`. No session, request or key ids in labels. Imports platform only; never api.
 """
@@ -130,12 +130,17 @@ def gauge_families(host: SessionHost | None = None) -> list[Metric]:
         'Session adapters in memory ("resident") or paged out to disk ("paged")',
         labels=["worker", "state"],
     )
+    snapshots = family(
+        "treadle_snapshots",
+        'Sampling snapshots in memory ("resident") or paged out to disk ("paged")',
+        labels=["worker", "state"],
+    )
     device = family(
         "treadle_device_memory_bytes",
         'CUDA memory of this process: "allocated" by tensors, "reserved" by the allocator',
         labels=["worker", "kind"],
     )
-    families: list[Metric] = [in_flight, queued, live, adapters, device]
+    families: list[Metric] = [in_flight, queued, live, adapters, snapshots, device]
     if host is None:
         return families
     running = 0 if host.running() is None else 1
@@ -147,6 +152,9 @@ def gauge_families(host: SessionHost | None = None) -> list[Metric]:
     resident, paged = host.engine.adapter_counts()
     adapters.add_metric([*worker, "resident"], resident)
     adapters.add_metric([*worker, "paged"], paged)
+    resident, paged = host.engine.snapshot_counts()
+    snapshots.add_metric([*worker, "resident"], resident)
+    snapshots.add_metric([*worker, "paged"], paged)
     for kind, value in _device_memory(host.engine.device.type).items():
         device.add_metric([*worker, kind], value)
     return families

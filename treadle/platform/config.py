@@ -19,6 +19,10 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "treadle"
 # page out to local disk. 4 keeps 16 SmolLM2-135M sessions of rank 32 within 1.5x one session's
 # memory (docs/benchmarks.md).
 DEFAULT_MAX_LOADED_ADAPTERS = 4
+# Sampling snapshots a worker keeps in memory; the least recently used others page out to local
+# disk. An RL loop takes one a step and samples only the newest; 16 keeps a 16-session batch's
+# samplers in memory.
+DEFAULT_MAX_LOADED_SNAPSHOTS = 16
 # Where a worker serves its Prometheus metrics (`treadle up` gives worker i this port + i).
 DEFAULT_WORKER_METRICS_PORT = 9101
 
@@ -64,6 +68,8 @@ class PlatformConfig:
     # At most this many adapters (weights, pending grads, Adam state) in a worker's memory; the
     # least recently used others are written to `spill_dir` and read back when used (0: no limit).
     max_loaded_adapters: int = DEFAULT_MAX_LOADED_ADAPTERS
+    # At most this many sampling snapshots in a worker's memory, the same way (0: no limit).
+    max_loaded_snapshots: int = DEFAULT_MAX_LOADED_SNAPSHOTS
     s3_endpoint: str = ""
     s3_bucket: str = "treadle"
     s3_access_key: str = ""
@@ -122,6 +128,9 @@ class PlatformConfig:
             max_loaded_adapters=_whole(
                 env, "TREADLE_MAX_LOADED_ADAPTERS", DEFAULT_MAX_LOADED_ADAPTERS
             ),
+            max_loaded_snapshots=_whole(
+                env, "TREADLE_MAX_LOADED_SNAPSHOTS", DEFAULT_MAX_LOADED_SNAPSHOTS
+            ),
             s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
             s3_bucket=env.get("TREADLE_S3_BUCKET") or "treadle",
             s3_access_key=env.get("TREADLE_S3_ACCESS_KEY") or env.get("AWS_ACCESS_KEY_ID", ""),
@@ -153,6 +162,7 @@ class PlatformConfig:
             "TREADLE_API_THREADS": str(self.api_threads),
             "TREADLE_MAX_BODY_BYTES": str(self.max_body_bytes),
             "TREADLE_MAX_LOADED_ADAPTERS": str(self.max_loaded_adapters),
+            "TREADLE_MAX_LOADED_SNAPSHOTS": str(self.max_loaded_snapshots),
             "TREADLE_WORKER_METRICS_PORT": str(self.worker_metrics_port),
             "TREADLE_WORKER_METRICS_ADDR": self.worker_metrics_addr,
             "TREADLE_LOG_FORMAT": self.log_format,
