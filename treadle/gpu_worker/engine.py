@@ -290,9 +290,10 @@ class Engine:
             total = 0.0
             vocab_size = base.model.config.vocab_size
             chunks = microbatches(arrays, vocab_size)
-            work = sum(padded_tokens(chunk) for chunk in chunks) * base.parameters
+            tokens = sum(padded_tokens(chunk) for chunk in chunks)
+            work = tokens * base.parameters * (1 if forward_only else 3)  # backward: twice more
             with (
-                threads_for(work if forward_only else 3 * work, self.device),
+                threads_for(work, self.device),
                 base.host.use(adapter.lora.weights),
                 torch.set_grad_enabled(not forward_only),
             ):
@@ -304,7 +305,7 @@ class Engine:
                         chunk_loss.backward()
                     outputs.extend(chunk_outputs)
                     total += float(chunk_loss.detach())
-            if sum(padded_tokens(chunk) for chunk in chunks) * vocab_size >= MICROBATCH_LOGITS // 4:
+            if tokens * vocab_size >= MICROBATCH_LOGITS // 4:
                 # The passes' activations went back to the C heap, which keeps their pages
                 # (gigabytes after a large batch) in the worker's memory unless told to return
                 # them; a small call is not worth the trim (about 1 ms).

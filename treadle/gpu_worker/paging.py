@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from treadle.gpu_worker.lora import TrainableLora
 
-__all__ = ["Paging", "SPILL_SUFFIX", "return_free_memory"]
+__all__ = ["Paging", "SPILL_SUFFIX", "page_out", "return_free_memory", "write_spill_file"]
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +130,7 @@ class Paging:
         if self.max_loaded is None:
             return
         excess = len(self._loaded) + room - self.max_loaded
-        spilled = 0
-        for idle in [a for a in self._loaded if a != keep][: max(0, excess)]:
-            if not self._spill(idle):
-                break
-            spilled += 1
-        if spilled:
-            return_free_memory()
+        page_out([a for a in self._loaded if a != keep], excess, self._spill)
 
     def _spill(self, adapter_id: str) -> bool:
         """Write the adapter's state to its file (atomically: a temporary file renamed into
@@ -145,18 +139,8 @@ class Paging:
         lora = self._loras(adapter_id)
         lora.move_to(_CPU)
         path = self.spill_dir / f"{next(self._names)}{SPILL_SUFFIX}"
-        partial = path.with_name(path.name + ".partial")
-        try:
-            tensors = {name: t.contiguous() for name, t in lora.state_tensors().items()}
-            save_file(tensors, str(partial))
-            os.replace(partial, path)
-        except Exception:  # a full or failing disk: over the limit beats failing a neighbour
-            with contextlib.suppress(OSError):
-                partial.unlink(missing_ok=True)
-            log.warning(
-                "could not page adapter %s out to %s; keeping it in memory", adapter_id, path,
-                exc_info=True,
-            )  # fmt: skip
+        tensors = {name: t.contiguous() for name, t in lora.state_tensors().items()}
+        if not write_spill_file(path, tensors, f"adapter {adapter_id}"):
             return False
         lora.release()
         self._resident.pop(adapter_id, None)
@@ -176,6 +160,36 @@ class Paging:
         lora.restore(tensors)
         del self._files[adapter_id]
         path.unlink(missing_ok=True)
+
+
+def page_out(least_recent_first: list[str], excess: int, spill: Callable[[str], bool]) -> None:
+    """Spill the first `excess` ids (least recently used first) with `spill`, stopping at the
+    first it cannot write, then hand the freed memory back to the OS."""
+    spilled = 0
+    for idle in least_recent_first[: max(0, excess)]:
+        if not spill(idle):
+            break
+        spilled += 1
+    if spilled:
+        return_free_memory()
+
+
+def write_spill_file(
+    path: Path, tensors: dict[str, torch.Tensor], what: str, metadata: dict[str, str] | None = None
+) -> bool:
+    """Write `tensors` to `path` atomically (a temporary file renamed into place). False, logged,
+    if it cannot be written: a full or failing disk leaves `what` in memory, over its limit,
+    rather than failing the operation that needed the room."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        save_file(tensors, str(partial), metadata)
+        os.replace(partial, path)
+    except Exception:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        log.warning("could not page %s out to %s; keeping it in memory", what, path, exc_info=True)
+        return False
+    return True
 
 
 def return_free_memory() -> None:

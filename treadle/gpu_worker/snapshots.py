@@ -10,11 +10,8 @@ engine calls this under its lock. Must not import flask, sqlalchemy, celery or t
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import logging
-import os
 import shutil
 import tempfile
 import weakref
@@ -24,15 +21,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from treadle.gpu_worker.lora import LoraWeights
-from treadle.gpu_worker.paging import return_free_memory
+from treadle.gpu_worker.paging import page_out, write_spill_file
 from treadle.platform.errors import UnavailableError
 
 __all__ = ["SNAPSHOT_SUFFIX", "Snapshot", "Snapshots"]
-
-log = logging.getLogger(__name__)
 
 SNAPSHOT_SUFFIX = ".snapshot.safetensors"
 
@@ -136,13 +130,7 @@ class Snapshots:
         if self.max_loaded is None:
             return
         excess = len(self._loaded) - self.max_loaded
-        spilled = 0
-        for idle in [s for s in self._loaded if s != keep][: max(0, excess)]:
-            if not self._spill(idle):
-                break
-            spilled += 1
-        if spilled:
-            return_free_memory()
+        page_out([s for s in self._loaded if s != keep], excess, self._spill)
 
     def _spill(self, snapshot_id: str) -> bool:
         """Write the snapshot's tensors to its file (a temporary file renamed into place), then
@@ -150,17 +138,10 @@ class Snapshots:
         still decoding with it holds its tensors until that batch is done."""
         snapshot = self._loaded[snapshot_id]
         path = self._folder() / f"{next(self._names)}{SNAPSHOT_SUFFIX}"
-        partial = path.with_name(path.name + ".partial")
-        try:
-            save_file(_tensors(snapshot.weights), str(partial), _metadata(snapshot.weights))
-            os.replace(partial, path)
-        except Exception:  # a full or failing disk: over the limit beats failing a sample
-            with contextlib.suppress(OSError):
-                partial.unlink(missing_ok=True)
-            log.warning(
-                "could not page snapshot %s out to %s; keeping it in memory", snapshot_id, path,
-                exc_info=True,
-            )  # fmt: skip
+        weights = snapshot.weights
+        if not write_spill_file(
+            path, _tensors(weights), f"snapshot {snapshot_id}", _metadata(weights)
+        ):
             return False
         del self._loaded[snapshot_id]
         self._spilled[snapshot_id] = _Spilled(snapshot.adapter_id, snapshot.base_model, path)
