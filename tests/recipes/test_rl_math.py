@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import tinker
 
+import treadle
+from tests.conftest import Platform
 from tests.recipes.conftest import RunRecipe, is_png, metrics_rows, saved_checkpoint, summary
-from treadle.recipes.rl_math import rl_datums
+from treadle.recipes import arithmetic
+from treadle.recipes.common.connect import current_sampler, ready
+from treadle.recipes.rl_math import grpo_step, rl_datums
 
 TINY = ("--train-size", "16", "--questions", "2", "--group-size", "3", "--eval-size", "3",
         "--max-tokens", "5")  # fmt: skip
@@ -123,3 +129,53 @@ def test_advantages_are_spread_over_the_batch_tokens_and_zero_on_the_prompt() ->
     # 4 trained tokens in all: each token carries its reply's advantage / 4.
     assert first == [0.0, 0.0, 0.125]
     assert second == [0.0, 0.0, -0.125, -0.125, -0.125]
+
+
+def test_steps_with_signal_train_alike_through_both_clients(
+    platform: Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On tiny-debug no reply ever earns the verifier's reward, so the runs above compare no
+    training. Here a stand-in reward (an even-length reply is "right") gives every step groups
+    with a signal; two steps of `grpo_step` through Treadle's SDK and the plain tinker SDK train
+    the same losses, and the second step's samples (from the weights the first step trained)
+    are the same."""
+    monkeypatch.setattr(arithmetic, "reward", lambda text, answer: float(len(text) % 2 == 0))
+    args = SimpleNamespace(group_size=4, max_tokens=5, temperature=1.0, seed=3,
+                           loss="importance_sampling", learning_rate=5e-2)  # fmt: skip
+    batch = arithmetic.problems(2, seed=3, max_operand=10)
+    treadle_svc = treadle.ServiceClient(base_url=platform.base_url, api_key=platform.admin_key)
+    tinker_svc = tinker.ServiceClient(base_url=platform.base_url, api_key=platform.admin_key)
+    results = []
+    try:
+        clients = [
+            ready(svc.create_lora_training_client("treadle/tiny-debug", rank=4, seed=3))
+            for svc in (treadle_svc, tinker_svc)
+        ]
+        tokenizer = clients[0].get_tokenizer()  # the plain SDK's would come from the hub
+        for tc in clients:
+            results.append([grpo_step(tc, tokenizer, batch, step, args) for step in (0, 1)])
+        fresh = treadle_svc.create_lora_training_client("treadle/tiny-debug", rank=4, seed=3)
+        probe = [probed(tc) for tc in (*clients, fresh)]
+    finally:
+        treadle_svc.close()
+        tinker_svc.close("success").result()
+    ours, theirs = results
+    assert all(r.loss is not None and r.groups_with_signal > 0 for r in ours)
+    for mine, other in zip(ours, theirs, strict=True):
+        assert mine.reward == other.reward and mine.groups_with_signal == other.groups_with_signal
+        assert mine.loss == pytest.approx(other.loss, rel=1e-5, abs=1e-7)
+        assert mine.sampled_logprob == pytest.approx(other.sampled_logprob, rel=1e-5)
+    # The trained weights agree, and differ from an untrained adapter's: the same greedy reply
+    # to one prompt, its logprobs equal to float32 rounding and unlike the fresh adapter's.
+    (ours_tokens, ours_lp), (theirs_tokens, theirs_lp), (_, fresh_lp) = probe
+    assert ours_tokens == theirs_tokens
+    assert ours_lp == pytest.approx(theirs_lp, rel=1e-5, abs=1e-6)
+    assert ours_lp != pytest.approx(fresh_lp, rel=1e-3, abs=1e-3)
+
+
+def probed(tc: Any) -> tuple[list[int], list[float]]:
+    """A greedy reply of 4 tokens to a fixed prompt from the client's current weights."""
+    params = tinker.types.SamplingParams(max_tokens=4, temperature=0.0, seed=0)
+    prompt = tinker.types.ModelInput.from_ints([1, 9690, 198, 2683])
+    seq = current_sampler(tc).sample(prompt, 1, params).result().sequences[0]
+    return list(seq.tokens), list(seq.logprobs)

@@ -27,7 +27,7 @@ from treadle.recipes.common import metrics, options
 from treadle.recipes.common.advantages import group_centred
 from treadle.recipes.common.batching import batch_at, step_seed
 from treadle.recipes.common.chat import completion_text, datum, prompt_tokens
-from treadle.recipes.common.connect import service
+from treadle.recipes.common.connect import current_sampler, service
 from treadle.recipes.common.evaluate import greedy_score, sample_all
 from treadle.recipes.common.runs import open_run
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         def evaluate(step: int) -> float:
             """Greedy replies to the held-out problems; the share the verifier accepts."""
             accuracy, replies = greedy_score(
-                tc.save_weights_and_get_sampling_client(), tokenizer, eval_prompts,
+                current_sampler(tc), tokenizer, eval_prompts,
                 lambda i, text: arithmetic.reward(text, held_out[i].answer),
                 max_tokens=args.max_tokens,
             )  # fmt: skip
@@ -114,7 +114,7 @@ def grpo_step(
     """Sample K replies per question from the current weights, score them, train once."""
     prompts = [prompt_tokens(tokenizer, pr.messages) for pr in batch]
     responses = sample_all(
-        tc.save_weights_and_get_sampling_client(), prompts,
+        current_sampler(tc), prompts,
         num_samples=args.group_size, max_tokens=args.max_tokens, temperature=args.temperature,
         seeds=[step_seed(args.seed, step, q) for q in range(len(batch))],
     )  # fmt: skip
