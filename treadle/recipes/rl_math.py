@@ -47,7 +47,7 @@ class StepResult:
 
 def main(argv: list[str] | None = None) -> int:
     p = options.parser(
-        "rl_math", __doc__.splitlines()[0], steps=12, learning_rate=5e-4, save_every=4, eval_every=4
+        "rl_math", __doc__.splitlines()[0], steps=20, learning_rate=5e-4, save_every=4, eval_every=4
     )
     p.add_argument("--loss", choices=["importance_sampling", "ppo"], default="importance_sampling")
     p.add_argument("--group-size", type=int, default=8, help="K: sampled replies per question")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--max-tokens", type=int, default=40, help="reply length (training and eval)")
     p.add_argument("--train-size", type=int, default=1000, help="training problems")
-    p.add_argument("--eval-size", type=int, default=40, help="held-out problems")
+    p.add_argument("--eval-size", type=int, default=100, help="held-out problems")
     p.add_argument("--max-operand", type=int, default=10, help="largest number in a problem")
     args, run = open_run(p, argv)
     train = arithmetic.problems(args.train_size, seed=args.seed, max_operand=args.max_operand)
