@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.integration.wire_client import WireClient, datum
@@ -49,3 +54,33 @@ def test_restart_on_same_data_dir_keeps_history_and_session(tmp_path: Path) -> N
         assert loss < losses[-1] < losses[0]
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def test_a_run_ended_by_sigterm_stops_its_embedded_platform(tmp_path: Path) -> None:
+    """`timeout` or a scheduler ends a recipe with SIGTERM; the platform it started must not
+    outlive it (PostgreSQL, Redis, the API and the worker holding the data dir)."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from treadle.platform.embedded import free_port\n"
+        "from treadle.recipes.platform_process import LocalPlatform\n"
+        "with LocalPlatform(Path(sys.argv[1]), free_port(), 'tml-term-0123456789') as p:\n"
+        "    print(p.proc.pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "platform")],
+                           stdout=subprocess.PIPE, text=True)  # fmt: skip
+    tree: list[psutil.Process] = []
+    try:
+        assert run.stdout is not None
+        up = psutil.Process(int(run.stdout.readline()))
+        tree = [up, *up.children(recursive=True)]
+        assert len(tree) >= 3  # treadle up, its worker, PostgreSQL and Redis
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(90) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert alive == []
+    finally:
+        for proc in [run, *tree]:  # nothing left behind, whatever failed
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                proc.kill()

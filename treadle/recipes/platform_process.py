@@ -6,9 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -29,8 +31,15 @@ class LocalPlatform:
             self.env.pop("DATABASE_URL", None)
             self.env.pop("REDIS_URL", None)
         self.proc: subprocess.Popen[bytes] | None = None
+        self._sigterm: Any = None
 
     def __enter__(self) -> LocalPlatform:
+        # A run ended by SIGTERM (`timeout`, a job scheduler) would die without leaving this
+        # block, and the platform (PostgreSQL, Redis, the API, the workers) would outlive it,
+        # holding its port and data dir. As SystemExit the block is left and the platform stops.
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.data_dir / "up.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -40,7 +49,11 @@ class LocalPlatform:
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        self._wait_ready(timeout=300)
+        try:
+            self._wait_ready(timeout=300)
+        except BaseException:  # a platform that never served is stopped too
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def _wait_ready(self, timeout: float) -> None:
@@ -72,3 +85,10 @@ class LocalPlatform:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
