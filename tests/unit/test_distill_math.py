@@ -4,13 +4,22 @@ against a hand computation, and that its expected gradient is the reverse KL's g
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 import torch
 
 from treadle.gpu_worker.losses import get_loss
-from treadle.recipes.distill import Rollout, completion_logprobs, distill_datum, rollout_metrics
+from treadle.recipes.distill import (
+    Rollout,
+    completion_logprobs,
+    distill_datum,
+    messages,
+    rollout_metrics,
+)
+from treadle.recipes.sft import examples
 
 IMPORTANCE_SAMPLING = get_loss("importance_sampling")
 
@@ -86,3 +95,13 @@ def test_reverse_kl_is_the_mean_over_tokens_not_over_replies() -> None:
     assert got["reverse_kl"] == pytest.approx(0.5)  # 2 / 4 tokens, not (2 + 0) / 2 replies
     assert got["teacher_logprob"] == pytest.approx(-1.5)
     assert got["reply_tokens"] == pytest.approx(2.0)
+
+
+def test_the_prompt_shows_the_shape_of_the_answer_the_teacher_is_trained_on() -> None:
+    """The student only learns from what it samples; the prompt shows the reply's shape so that
+    it samples it at all. The shape shown must stay the teacher's: the same keys, in order."""
+    example = examples(1, seed=0)[0]
+    system, user = messages(example)
+    shown = re.search(r"\{.*\}", system["content"])
+    assert shown is not None and user == {"role": "user", "content": example.sentence}
+    assert re.findall(r'"(\w+)":', shown.group()) == list(json.loads(example.reply))
