@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from treadle.platform.supervisor import WorkerProcess
 
 log = logging.getLogger("treadle")
+WORKER_SPINCOUNT = "30000"  # libgomp's spin rounds before an idle OpenMP thread sleeps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         return cmd_up(config, args.host, args.port, args.workers)
     if args.command == "worker":
-        # Before torch loads OpenMP: its idle threads sleep instead of spinning. Spinning after
-        # every parallel region took several times the CPU an operation needs, on the cores the
-        # API, PostgreSQL and Redis need to answer it (docs/benchmarks.md, "Round trip through
-        # the SDK"). An explicit setting wins.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Before torch loads OpenMP (libgomp): its idle threads spin briefly, then sleep. The
+        # default spin (300,000 rounds) took several times the CPU a small operation needs, on
+        # the cores the API, PostgreSQL and Redis need to answer it; never spinning
+        # (OMP_WAIT_POLICY=PASSIVE) woke the threads again for each of a decoding step's
+        # thousand parallel regions and halved sampling throughput. 30,000 rounds kept both
+        # (docs/benchmarks.md, "OpenMP threads in the worker"). An explicit setting wins.
+        if "OMP_WAIT_POLICY" not in os.environ:
+            os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
         from treadle.gpu_worker.runtime import run_worker
         from treadle.platform.supervisor import default_worker_id
 
