@@ -13,10 +13,10 @@ import torch
 
 from treadle.gpu_worker.losses import get_loss
 from treadle.recipes.distill import (
+    SYSTEM,
     Rollout,
     completion_logprobs,
     distill_datum,
-    messages,
     rollout_metrics,
 )
 from treadle.recipes.sft import examples
@@ -101,7 +101,7 @@ def test_the_prompt_shows_the_shape_of_the_answer_the_teacher_is_trained_on() ->
     """The student only learns from what it samples; the prompt shows the reply's shape so that
     it samples it at all. The shape shown must stay the teacher's: the same keys, in order."""
     example = examples(1, seed=0)[0]
-    system, user = messages(example)
+    system, user = example.chat(SYSTEM)
     shown = re.search(r"\{.*\}", system["content"])
     assert shown is not None and user == {"role": "user", "content": example.sentence}
     assert re.findall(r'"(\w+)":', shown.group()) == list(json.loads(example.reply))

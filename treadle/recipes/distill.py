@@ -28,7 +28,7 @@ from tinker import types
 from treadle.recipes.common import metrics, options
 from treadle.recipes.common.advantages import reverse_kl
 from treadle.recipes.common.batching import batch_at, step_seed
-from treadle.recipes.common.chat import Messages, datum, prompt_tokens, supervised_datum
+from treadle.recipes.common.chat import datum, prompt_tokens, supervised_datum
 from treadle.recipes.common.connect import current_sampler, ready, service
 from treadle.recipes.common.evaluate import greedy_score, sample_all
 from treadle.recipes.common.runs import open_run
@@ -36,17 +36,13 @@ from treadle.recipes.sft import SYSTEM as SFT_SYSTEM
 from treadle.recipes.sft import Example, examples, is_correct, train_step
 
 TEACHER = "teacher.json"
-# sft's instruction and the shape of the answer. On-policy distillation only reinforces what the
-# student samples: with sft's prompt alone SmolLM2 starts a reply with `{"` about 3% of the time
-# (it writes `JSON:` and pretty-printed JSON, or prose), and in 24 steps the student never moved
-# toward the teacher's format. With the shape shown, about one greedy reply in five already
-# matches, and the teacher's logprobs have something to reinforce.
+# The prompt the teacher is trained on and the student sees: sft's instruction and the shape of
+# the answer. On-policy distillation only reinforces what the student samples: with sft's prompt
+# alone SmolLM2 starts a reply with `{"` about 3% of the time (it writes `JSON:` and
+# pretty-printed JSON, or prose), and in three runs (12-16 steps) the student never moved toward
+# the teacher's format. With the shape shown, about one greedy reply in five already matches, and
+# the teacher's logprobs have something to reinforce.
 SYSTEM = SFT_SYSTEM + ' Use exactly this form: {"name": "...", "age": ..., "city": "..."}'
-
-
-def messages(example: Example) -> Messages:
-    """The prompt both the teacher (trained on it) and the student see."""
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": example.sentence}]
 
 
 @dataclass(frozen=True)
@@ -100,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     with service(args) as svc:
         tc = run.training_client(svc, args)
         tokenizer = tc.get_tokenizer()
-        eval_prompts = [prompt_tokens(tokenizer, messages(ex)) for ex in held_out]
+        eval_prompts = [prompt_tokens(tokenizer, ex.chat(SYSTEM)) for ex in held_out]
 
         def score(sampler: Any) -> tuple[float, str]:
             """Held-out accuracy of greedy replies, and the first reply (a sample for the log)."""
@@ -130,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         if not run.resumed_from:  # a resumed run's file already holds it
             evaluate(0)
         for step in range(run.start_step, args.steps):
-            prompts = [prompt_tokens(tokenizer, messages(ex)) for ex in
+            prompts = [prompt_tokens(tokenizer, ex.chat(SYSTEM)) for ex in
                        batch_at(train, args.batch_size, args.seed, step)]  # fmt: skip
             student = current_sampler(tc)
             rollouts = roll_out(student, teacher_sampler, prompts, args, step)
@@ -162,7 +158,7 @@ def train_teacher(
     tc = ready(svc.create_lora_training_client(args.model, rank=args.rank, seed=args.seed + 1))
     print(f"training a teacher: {args.teacher_steps} supervised steps", file=sys.stderr)
     for step in range(args.teacher_steps):
-        batch = [supervised_datum(tokenizer, messages(ex), ex.reply) for ex in
+        batch = [supervised_datum(tokenizer, ex.chat(SYSTEM), ex.reply) for ex in
                  batch_at(train, args.batch_size, args.seed, step)]  # fmt: skip
         loss = train_step(tc, batch, args.teacher_learning_rate)
         if not args.no_progress:

@@ -44,7 +44,11 @@ class Example:
 
     @property
     def messages(self) -> Messages:
-        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": self.sentence}]
+        return self.chat(SYSTEM)
+
+    def chat(self, system: str) -> Messages:
+        """The sentence as the user's turn under the system prompt `system`."""
+        return [{"role": "system", "content": system}, {"role": "user", "content": self.sentence}]
 
     @property
     def reply(self) -> str:
