@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from treadle.gpu_worker import adapter_files, batching, fingerprint, sampler
 from treadle.gpu_worker.batching import SampleJob, SampleRequest
 from treadle.gpu_worker.cpu_threads import threads_for
+from treadle.gpu_worker.heap import return_free_memory
 from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, TrainableLora
 from treadle.gpu_worker.losses import (
     MICROBATCH_LOGITS,
@@ -35,7 +36,7 @@ from treadle.gpu_worker.losses import (
     validate_data,
 )
 from treadle.gpu_worker.models import load_base_model
-from treadle.gpu_worker.paging import Paging, return_free_memory
+from treadle.gpu_worker.paging import Paging
 from treadle.gpu_worker.sampler import (
     PromptScoring,
     PromptTargets,

@@ -144,6 +144,18 @@ def _delta(weights: LoraWeights, name: str, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.linear(x.to(a_r_in.dtype), a_r_in), b_out_r) * weights.scale
 
 
+def _plus_delta(weights: LoraWeights, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`y + _delta(weights, name, x)` for sampling: where `y` has the adapter's dtype (float32,
+    the CPU's) and nothing records grads, the second product, its scale and the add are one
+    `addmm`, which writes no intermediate [tokens, out] tensors."""
+    a_r_in, b_out_r = weights.A[name], weights.B[name]
+    if y.dtype != a_r_in.dtype or torch.is_grad_enabled():
+        return y + _delta(weights, name, x).to(y.dtype)
+    h_N_r = F.linear(x.reshape(-1, x.shape[-1]), a_r_in)
+    y_N_out = y.reshape(-1, y.shape[-1])
+    return torch.addmm(y_N_out, h_N_r, b_out_r.T, alpha=weights.scale).view(y.shape)
+
+
 class RowAdapters:
     """Which adapter each batch row runs (None: the bare base model), for `LoraHost.use_rows`.
 
@@ -208,7 +220,9 @@ class RowAdapters:
             for m, row in enumerate(rows):
                 place_R[row] = g * width + m
         self._place_R = torch.tensor(place_R, dtype=torch.long, device=device)
-        self._scale_G = torch.tensor([w.scale for w in slots], device=device)
+        self._scale_G11 = torch.tensor([w.scale for w in slots], device=device)[:, None, None]
+        scales = {w.scale for w in slots}
+        self._scale = scales.pop() if len(scales) == 1 else None  # one for every slot
 
     def selected(self, keep: list[int]) -> RowAdapters:
         """The adapters of rows `keep` only, reusing these stacks where it can."""
@@ -221,7 +235,7 @@ class RowAdapters:
     def apply(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base module's output for `x`, [R, T, out]) plus each row's delta."""
         if self.only is not None:
-            return y if name not in self.only.A else y + _delta(self.only, name, x).to(y.dtype)
+            return y if name not in self.only.A else _plus_delta(self.only, name, x, y)
         stacks = self._stack(name)
         if stacks is None:
             return y
@@ -232,7 +246,16 @@ class RowAdapters:
         else:
             x_G_MT_in = x[self._gather_G_M].reshape(groups, width * tokens, -1)
         h_G_MT_r = torch.bmm(x_G_MT_in.to(a_G_in_r.dtype), a_G_in_r)
-        d_G_MT_out = torch.bmm(h_G_MT_r, b_G_r_out) * self._scale_G[:, None, None]
+        if self._uniform and y.dtype == b_G_r_out.dtype and not torch.is_grad_enabled():
+            # the second product, its scale and the add in one call, as `_plus_delta`
+            y_G_MT_out = y.reshape(groups, width * tokens, -1)
+            if self._scale is not None:
+                return torch.baddbmm(y_G_MT_out, h_G_MT_r, b_G_r_out, alpha=self._scale).view(
+                    y.shape
+                )
+            h_G_MT_r = h_G_MT_r * self._scale_G11
+            return torch.baddbmm(y_G_MT_out, h_G_MT_r, b_G_r_out).view(y.shape)
+        d_G_MT_out = torch.bmm(h_G_MT_r, b_G_r_out) * self._scale_G11
         if self._uniform:
             return y + d_G_MT_out.reshape(y.shape).to(y.dtype)
         d_GM_T_out = d_G_MT_out.reshape(groups * width, tokens, -1)
@@ -249,13 +272,15 @@ class RowAdapters:
             else:
                 rank = max(w.A[name].shape[0] for w in present)
                 a, b = present[0].A[name], present[0].B[name]
-                a_G = a.new_zeros(len(self.slots), a.shape[1], rank)
-                b_G = b.new_zeros(len(self.slots), rank, b.shape[0])
+                a_G = a.new_empty(len(self.slots), a.shape[1], rank)
+                b_G = b.new_empty(len(self.slots), rank, b.shape[0])
                 for g, w in enumerate(self.slots):
-                    if name in w.A:
-                        r = w.A[name].shape[0]
+                    r = w.A[name].shape[0] if name in w.A else 0
+                    if r:
                         a_G[g, :, :r] = w.A[name].T
                         b_G[g, :r] = w.B[name].T
+                    a_G[g, :, r:] = 0  # rank padding, or all of an adapter not targeting it
+                    b_G[g, r:] = 0
                 self._stacks[name] = (a_G, b_G)
         return self._stacks[name]
 

@@ -12,8 +12,6 @@ Must not import flask, sqlalchemy, celery or treadle.api.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import itertools
 import logging
 import os
@@ -23,14 +21,14 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from treadle.gpu_worker.heap import return_free_memory
 from treadle.gpu_worker.lora import TrainableLora
 
-__all__ = ["Paging", "SPILL_SUFFIX", "page_out", "return_free_memory", "write_spill_file"]
+__all__ = ["Paging", "SPILL_SUFFIX", "page_out", "write_spill_file"]
 
 log = logging.getLogger(__name__)
 
@@ -190,23 +188,3 @@ def write_spill_file(
         log.warning("could not page %s out to %s; keeping it in memory", what, path, exc_info=True)
         return False
     return True
-
-
-def return_free_memory() -> None:
-    """Hand the pages just freed back to the OS. The CPU allocator returns a freed tensor to
-    glibc's heap, which keeps its pages mapped (and counted in the process's RSS) for reuse;
-    `malloc_trim` releases free pages, so the limit shows in the worker's memory, not only in its
-    heap's free lists. A no-op where the C library has no `malloc_trim` (not glibc)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _find_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return cast(Callable[[int], int], libc.malloc_trim)
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _find_malloc_trim()

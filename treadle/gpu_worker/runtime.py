@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 from celery.signals import after_setup_task_logger, worker_ready, worker_shutting_down
 
-from treadle.gpu_worker import telemetry
+from treadle.gpu_worker import heap, telemetry
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
 from treadle.platform import (
@@ -157,6 +157,7 @@ class LeaseKeeper(threading.Thread):
 
 
 def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO") -> None:
+    heap.keep_freed_pages()
     engine = Engine(
         cache_dir=config.cache_dir,
         device=config.device,
