@@ -30,10 +30,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (ma
 def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim, libc.mallopt  # noqa: B018 (glibc only)
-    except (OSError, AttributeError):
+    except OSError:
         return None
-    return libc
+    glibc = hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt")
+    return libc if glibc else None
 
 
 _LIBC = _libc()

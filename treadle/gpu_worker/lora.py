@@ -146,10 +146,10 @@ def _delta(weights: LoraWeights, name: str, x: torch.Tensor) -> torch.Tensor:
 
 def _plus_delta(weights: LoraWeights, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """`y + _delta(weights, name, x)` for sampling: where `y` has the adapter's dtype (float32,
-    the CPU's) and nothing records grads, the second product, its scale and the add are one
-    `addmm`, which writes no intermediate [tokens, out] tensors."""
+    the CPU's), the second product, its scale and the add are one `addmm`, which writes no
+    intermediate [tokens, out] tensors."""
     a_r_in, b_out_r = weights.A[name], weights.B[name]
-    if y.dtype != a_r_in.dtype or torch.is_grad_enabled():
+    if y.dtype != a_r_in.dtype:
         return y + _delta(weights, name, x).to(y.dtype)
     h_N_r = F.linear(x.reshape(-1, x.shape[-1]), a_r_in)
     y_N_out = y.reshape(-1, y.shape[-1])
@@ -221,8 +221,6 @@ class RowAdapters:
                 place_R[row] = g * width + m
         self._place_R = torch.tensor(place_R, dtype=torch.long, device=device)
         self._scale_G11 = torch.tensor([w.scale for w in slots], device=device)[:, None, None]
-        scales = {w.scale for w in slots}
-        self._scale = scales.pop() if len(scales) == 1 else None  # one for every slot
 
     def selected(self, keep: list[int]) -> RowAdapters:
         """The adapters of rows `keep` only, reusing these stacks where it can."""
@@ -245,17 +243,12 @@ class RowAdapters:
             x_G_MT_in = x.reshape(groups, width * tokens, -1)
         else:
             x_G_MT_in = x[self._gather_G_M].reshape(groups, width * tokens, -1)
-        h_G_MT_r = torch.bmm(x_G_MT_in.to(a_G_in_r.dtype), a_G_in_r)
-        if self._uniform and y.dtype == b_G_r_out.dtype and not torch.is_grad_enabled():
-            # the second product, its scale and the add in one call, as `_plus_delta`
+        # each slot's scale on the rank-wide products, the smallest tensor it can go on
+        h_G_MT_r = torch.bmm(x_G_MT_in.to(a_G_in_r.dtype), a_G_in_r) * self._scale_G11
+        if self._uniform and y.dtype == b_G_r_out.dtype:  # the product added in one call
             y_G_MT_out = y.reshape(groups, width * tokens, -1)
-            if self._scale is not None:
-                return torch.baddbmm(y_G_MT_out, h_G_MT_r, b_G_r_out, alpha=self._scale).view(
-                    y.shape
-                )
-            h_G_MT_r = h_G_MT_r * self._scale_G11
             return torch.baddbmm(y_G_MT_out, h_G_MT_r, b_G_r_out).view(y.shape)
-        d_G_MT_out = torch.bmm(h_G_MT_r, b_G_r_out) * self._scale_G11
+        d_G_MT_out = torch.bmm(h_G_MT_r, b_G_r_out)
         if self._uniform:
             return y + d_G_MT_out.reshape(y.shape).to(y.dtype)
         d_GM_T_out = d_G_MT_out.reshape(groups * width, tokens, -1)
@@ -279,8 +272,9 @@ class RowAdapters:
                     if r:
                         a_G[g, :, :r] = w.A[name].T
                         b_G[g, :r] = w.B[name].T
-                    a_G[g, :, r:] = 0  # rank padding, or all of an adapter not targeting it
-                    b_G[g, r:] = 0
+                    if r < rank:  # rank padding, or all of an adapter not targeting it
+                        a_G[g, :, r:] = 0
+                        b_G[g, r:] = 0
                 self._stacks[name] = (a_G, b_G)
         return self._stacks[name]
 
