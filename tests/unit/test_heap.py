@@ -1,7 +1,9 @@
 """The worker's heap keeps freed pages for the next allocation (`heap.keep_freed_pages`): a
-block that grows a little at every step, as a KV cache does while decoding, is served from
-pages already mapped instead of a fresh mapping faulted in page by page; glibc's malloc
-tunables in the environment win."""
+block that grows a little at every step, as a KV cache does while decoding, and a block larger
+than any glibc would take from its heap by default, as a microbatch's logits are, are served
+from pages already mapped instead of fresh mappings faulted in page by page; what the heap keeps
+free is handed back past a limit (`heap.release_excess`); glibc's malloc tunables in the
+environment win."""
 
 from __future__ import annotations
 
@@ -24,19 +26,67 @@ for step in range(200):  # 1 MiB growing by 4 KiB a step, each step's block writ
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
+LARGE_BLOCKS = """
+import resource, sys
+import torch
+from treadle.gpu_worker import heap
+if sys.argv[1] == "tuned":
+    assert heap.keep_freed_pages({})
+for step in range(40):  # 64 MiB, over glibc's largest threshold for mapping a block alone
+    block = torch.empty(2**24, dtype=torch.float32).fill_(1.0)
+    small = torch.ones(100)  # what the program allocates meanwhile
+    del block
+    if step == 19:  # the heap has settled
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
 
-def _faults(mode: str) -> int:
+RELEASED = """
+import torch
+from treadle.gpu_worker import heap
+def rss():
+    status = open("/proc/self/status").read()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+assert heap.keep_freed_pages({})
+block = torch.empty(2**24, dtype=torch.float32).fill_(1.0)  # 64 MiB
+del block
+free, before = heap.free_bytes(), rss()
+kept = not heap.release_excess(keep=2**27)  # 128 MiB may stay free: nothing to do
+still = rss()
+released = heap.release_excess(keep=2**20)
+print(free, before - still, kept, before - rss(), released)
+"""
+
+
+def _run(script: str, *args: str) -> list[str]:
     out = subprocess.run(
-        [sys.executable, "-c", GROWING_BLOCKS, mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, check=True
     )
-    return int(out.stdout.split()[-1])
+    return out.stdout.split()
 
 
 def test_a_growing_block_reuses_the_pages_freed_before_it() -> None:
-    default, tuned = _faults("default"), _faults("tuned")
+    default, tuned = (
+        int(_run(GROWING_BLOCKS, "default")[-1]),
+        int(_run(GROWING_BLOCKS, "tuned")[-1]),
+    )
     print(f"minor page faults over 190 steps: {default} default, {tuned} kept")
     assert default > 190 * 256  # every step's 1 MiB+ block faulted in afresh
     assert tuned < default / 10
+
+
+def test_a_large_block_reuses_the_pages_freed_before_it() -> None:
+    default, tuned = int(_run(LARGE_BLOCKS, "default")[-1]), int(_run(LARGE_BLOCKS, "tuned")[-1])
+    print(f"minor page faults over 20 blocks of 64 MiB: {default} default, {tuned} kept")
+    assert default > 20 * 16384  # each block mapped alone and faulted in afresh
+    assert tuned < default / 2
+
+
+def test_free_pages_go_back_only_past_the_limit() -> None:
+    free, kept_drop, kept, released_drop, released = _run(RELEASED)
+    assert int(free) >= 2**26  # the 64 MiB block stayed in the heap, free
+    assert kept == "True" and int(kept_drop) < 2**20  # under the limit: its pages stay
+    assert released == "True" and int(released_drop) >= 2**26  # past it: handed back
 
 
 def test_glibc_tunables_in_the_environment_win() -> None:

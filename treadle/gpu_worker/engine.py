@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from treadle.gpu_worker import adapter_files, batching, fingerprint, sampler
 from treadle.gpu_worker.batching import SampleJob, SampleRequest
 from treadle.gpu_worker.cpu_threads import threads_for
-from treadle.gpu_worker.heap import return_free_memory
+from treadle.gpu_worker.heap import release_excess
 from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, TrainableLora
 from treadle.gpu_worker.losses import (
     MICROBATCH_LOGITS,
@@ -307,10 +307,9 @@ class Engine:
                     outputs.extend(chunk_outputs)
                     total += float(chunk_loss.detach())
             if tokens * vocab_size >= MICROBATCH_LOGITS // 4:
-                # The passes' activations went back to the C heap, which keeps their pages
-                # (gigabytes after a large batch) in the worker's memory unless told to return
-                # them; a small call is not worth the trim (about 1 ms).
-                return_free_memory()
+                # The passes' activations went back to the C heap, which keeps their pages for
+                # the next pass up to a limit (`heap`); a small call frees too little to look.
+                release_excess()
         train_tokens = sum(len(a["tokens"]) for a in arrays)
         return ForwardBackwardResult(outputs, {"loss:sum": total}, train_tokens)
 

@@ -1,15 +1,19 @@
-"""The worker's C heap (glibc's malloc, under the CPU allocator's tensors): when its freed pages
-go back to the OS.
+"""The worker's C heap (glibc's malloc, under the CPU allocator's tensors): which blocks it maps
+on their own, and when its freed pages go back to the OS.
 
-`keep_freed_pages` (once, at the worker's start): blocks up to `MMAP_THRESHOLD` come from the
-heap and freed memory stays there for the next allocation, up to `TRIM_THRESHOLD` of it at the
-heap's top. glibc's defaults give each block over 128 KiB a mapping of its own, unmapped when
-it is freed, and raise that limit only to the largest block freed so far; a KV cache that grows
-by a column each decoding step always outgrows it, so each step's blocks (and each new batch's
-adapter stacks) were fresh pages, each faulted in by the kernel (a few microseconds a page on
-a virtual machine; docs/benchmarks.md, "The worker's heap"). `return_free_memory` (after large
-passes and page-outs) hands back every free page, so a limit on memory still shows in the
-worker's RSS. Both are no-ops where the C library is not glibc.
+`keep_freed_pages` (once, at the worker's start): every block comes from the heap, none is
+mapped on its own, and up to `TOP_KEEP_BYTES` freed at the heap's top stay there for the next
+allocation (glibc trims the top past that by itself). glibc's defaults map each block over 128 KiB on its own and unmap it when it is
+freed (raising that limit only to the largest block freed so far, and never past 32 MiB), so
+each of a pass's large tensors (a microbatch's logits and their gradients are 100 MB each on
+SmolLM2), a KV cache growing by a column each decoding step and each new batch's adapter
+stacks were fresh pages, each faulted in by the kernel: a few microseconds a page on a virtual
+machine, a third of a `forward_backward`'s time (docs/benchmarks.md, "The worker's heap").
+
+`release_excess` (after large passes and page-outs) hands the free pages back once the heap
+holds more than `KEEP_FREE_BYTES` of them: the next pass of the same size reuses what the last
+one freed, and the heap cannot keep more than that much beyond what is in use, so a limit on
+memory still shows in the worker's RSS. Both are no-ops where the C library is not glibc.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -20,11 +24,23 @@ import ctypes.util
 import os
 from collections.abc import Mapping
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_pages", "return_free_memory"]
+__all__ = ["KEEP_FREE_BYTES", "TOP_KEEP_BYTES", "free_bytes", "keep_freed_pages", "release_excess"]
 
-MMAP_THRESHOLD = 32 * 2**20  # glibc's largest: blocks above it are still mapped on their own
-TRIM_THRESHOLD = 512 * 2**20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+# Free heap kept for the next passes: a SmolLM2 `forward_backward` of 8 x 256 tokens leaves
+# about 2.5 GB free (its microbatches' activations, logits and gradients).
+KEEP_FREE_BYTES = 4 * 2**30
+TOP_KEEP_BYTES = 2**31 - 1  # the most mallopt takes (a C int)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt's parameter numbers (malloc.h)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -32,28 +48,35 @@ def _libc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-    glibc = hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt")
-    return libc if glibc else None
+    if not all(hasattr(libc, f) for f in ("malloc_trim", "mallopt", "mallinfo2")):
+        return None  # not glibc, or one older than 2.33
+    libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
 _LIBC = _libc()
 
 
 def keep_freed_pages(environ: Mapping[str, str] = os.environ) -> bool:
-    """Set the heap's thresholds (see above) unless `environ` sets glibc's malloc tunables
-    (`GLIBC_TUNABLES`, `MALLOC_*_`), which win; True if they were set."""
+    """Serve every block from the heap and keep freed pages there (see above), unless `environ`
+    sets glibc's malloc tunables (`GLIBC_TUNABLES`, `MALLOC_*_`), which win; True if set."""
     if _LIBC is None or any(k == "GLIBC_TUNABLES" or k.startswith("MALLOC_") for k in environ):
         return False
-    return bool(
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-        and _LIBC.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    return bool(_LIBC.mallopt(_M_MMAP_MAX, 0) and _LIBC.mallopt(_M_TRIM_THRESHOLD, TOP_KEEP_BYTES))
 
 
-def return_free_memory() -> None:
-    """Hand the pages just freed back to the OS. The CPU allocator returns a freed tensor to
-    glibc's heap, which keeps its pages mapped (and counted in the process's RSS) for reuse;
-    `malloc_trim` releases free pages, so the limit shows in the worker's memory, not only in its
-    heap's free lists."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+def free_bytes() -> int:
+    """Bytes the heap holds free (in every arena), mapped and counted in the process's RSS
+    wherever they were touched; 0 where the C library is not glibc."""
+    return 0 if _LIBC is None else int(_LIBC.mallinfo2().fordblks)
+
+
+def release_excess(keep: int = KEEP_FREE_BYTES) -> bool:
+    """Hand every free page back to the OS if the heap holds more than `keep` bytes free;
+    True if it did. The CPU allocator returns a freed tensor to glibc's heap, which keeps its
+    pages mapped for reuse; past `keep` they would only hold memory the worker may need for
+    sessions, so `malloc_trim` releases them."""
+    if _LIBC is None or free_bytes() <= keep:
+        return False
+    _LIBC.malloc_trim(0)
+    return True

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from treadle.gpu_worker.heap import return_free_memory
+from treadle.gpu_worker.heap import release_excess
 from treadle.gpu_worker.lora import TrainableLora
 
 __all__ = ["Paging", "SPILL_SUFFIX", "page_out", "write_spill_file"]
@@ -162,14 +162,14 @@ class Paging:
 
 def page_out(least_recent_first: list[str], excess: int, spill: Callable[[str], bool]) -> None:
     """Spill the first `excess` ids (least recently used first) with `spill`, stopping at the
-    first it cannot write, then hand the freed memory back to the OS."""
+    first it cannot write, then hand the freed memory back to the OS if the heap keeps too much."""
     spilled = 0
     for idle in least_recent_first[: max(0, excess)]:
         if not spill(idle):
             break
         spilled += 1
     if spilled:
-        return_free_memory()
+        release_excess()
 
 
 def write_spill_file(
