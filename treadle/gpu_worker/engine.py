@@ -114,6 +114,9 @@ class Engine:
     each under `spill_dir` (see `paging`) and read back, bit for bit, when next used. Snapshots
     for sampling do not count toward that limit: with `max_loaded_snapshots`, at most that many
     stay in memory and the least recently used others page out the same way (`snapshots`).
+    With `pack_cpu_weights` (a float32 model on the CPU), sampling runs the base model's
+    linears on a copy of their weights packed for oneDNN (`cpu_linear`): two to four times
+    faster than `F.linear` on some CPUs, for the linears' size again in memory.
     """
 
     def __init__(
@@ -125,8 +128,10 @@ class Engine:
         max_loaded_adapters: int | None = None,
         max_loaded_snapshots: int | None = None,
         spill_dir: Path | None = None,
+        pack_cpu_weights: bool = True,
     ) -> None:
         self.cache_dir = Path(cache_dir)
+        self.pack_cpu_weights = pack_cpu_weights
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.max_resident_adapters = max_resident_adapters
@@ -492,7 +497,10 @@ class Engine:
                 info = get_base_model(name)
                 model, tokenizer = load_base_model(name, self.cache_dir, self.device, self.dtype)
                 parameters = sum(p.numel() for p in model.parameters())
-                self._bases[name] = _Base(info, model, tokenizer, LoraHost(model), parameters)
+                host = LoraHost(model)
+                if self.pack_cpu_weights:
+                    host.pack_for_sampling()  # a no-op off the CPU or without oneDNN
+                self._bases[name] = _Base(info, model, tokenizer, host, parameters)
             return self._bases[name]
 
     def _read(

@@ -56,6 +56,16 @@ SAMPLE_BATCH_LIMIT = 32
 # the database is asked for them at most this often.
 SAMPLE_JOIN_WINDOW_SECONDS = 2.0
 SAMPLE_LOOK_INTERVAL_SECONDS = 0.02
+# A batch gathers the samples that arrive right after its first before its first step: it
+# starts once none has come for SAMPLE_GATHER_QUIET_SECONDS (looking every
+# SAMPLE_GATHER_LOOK_SECONDS), at the latest SAMPLE_GATHER_MAX_SECONDS after the first.
+# Requests sent together reach the worker milliseconds apart (each is admitted on its own),
+# and on a CPU a decoding step of one row costs nearly what one of sixteen does: a batch that
+# started with the first alone spent a tenth of a second or more decoding it alone, steps that
+# every later request then added at its end (docs/benchmarks.md, "Sampling").
+SAMPLE_GATHER_QUIET_SECONDS = 0.015
+SAMPLE_GATHER_LOOK_SECONDS = 0.004
+SAMPLE_GATHER_MAX_SECONDS = 0.15
 
 
 @dataclasses.dataclass
@@ -343,11 +353,11 @@ class SessionHost:
         batch = self.engine.open_batch(session.base_model)
         streams = streaming.Streams(self.redis)  # the requests streamed to their clients
         admitted: dict[str, _Sampling] = {}
-        started = time.monotonic()
-        looked = started - SAMPLE_LOOK_INTERVAL_SECONDS  # look at once
         with contextlib.ExitStack() as locks:
             try:
-                self._admit(batch, [(session, first, payload)], admitted, streams)
+                gathered = self._gather(session, (session, first, payload), locks)
+                self._admit(batch, gathered, admitted, streams)
+                started = looked = time.monotonic()
                 while True:
                     now = time.monotonic()
                     if now - started < SAMPLE_JOIN_WINDOW_SECONDS and (
@@ -373,6 +383,30 @@ class SessionHost:
                     self._finish(finished, admitted)
             finally:
                 self._sampling = {}
+
+    def _gather(
+        self,
+        session: SessionRow,
+        first: tuple[SessionRow, operations.OperationRow, Sample],
+        locks: contextlib.ExitStack,
+    ) -> list[tuple[SessionRow, operations.OperationRow, Sample]]:
+        """`first` and the samples that arrive right after it (see SAMPLE_GATHER_*)."""
+        gathered = [first]
+        started = last = time.monotonic()
+        while len(gathered) < SAMPLE_BATCH_LIMIT and not self.closing.is_set():
+            now = time.monotonic()
+            if (
+                now - last >= SAMPLE_GATHER_QUIET_SECONDS
+                or now - started >= SAMPLE_GATHER_MAX_SECONDS
+            ):
+                break
+            time.sleep(SAMPLE_GATHER_LOOK_SECONDS)
+            taken = {op.request_id for _, op, _ in gathered}
+            room = SAMPLE_BATCH_LIMIT - len(gathered)
+            if more := self._waiting_samples(session, taken, locks, room):
+                gathered += more
+                last = time.monotonic()
+        return gathered
 
     def _admit(
         self,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.gpu_worker import cpu_linear
 from treadle.platform.errors import ValidationError
 
 __all__ = [
@@ -117,22 +118,28 @@ class LoraWeights:
 
 class LoraLinear(nn.Module):
     """A frozen linear plus the delta of whichever adapter its host has active (if it targets
-    this module)."""
+    this module). While sampling (an adapter per row), the frozen product runs on `packed`, the
+    base weight packed for oneDNN, where the host has packed it (`LoraHost.pack_for_sampling`)."""
 
     def __init__(self, base: nn.Linear, name: str, host: LoraHost) -> None:
         super().__init__()
         self.base = base
         self.name = name
         self._host = host
+        self.packed: torch.Tensor | None = None
 
     @property
     def weight(self) -> torch.Tensor:  # transformers reads lm_head.weight (weight tying)
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        if self._host.rows is not None:
+        if self._host.rows is not None:  # sampling: no gradient
+            if self.packed is None:
+                y = self.base(x)
+            else:
+                y = cpu_linear.linear(x, self.packed, self.base.bias)
             return self._host.rows.apply(self.name, x, y)
+        y = self.base(x)
         active = self._host.active
         if active is None or self.name not in active.A:
             return y
@@ -297,6 +304,7 @@ class LoraHost:
         self.active: LoraWeights | None = None
         self.rows: RowAdapters | None = None  # when set, an adapter per row (`use_rows`)
         self.shapes: dict[str, tuple[int, int]] = {}  # module name -> (in_features, out_features)
+        self.linears: dict[str, LoraLinear] = {}
         targets = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
         found = [
             (name, module)
@@ -306,9 +314,25 @@ class LoraHost:
         for name, module in found:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, LoraLinear(module, name, self))
+            self.linears[name] = LoraLinear(module, name, self)
+            setattr(parent, child, self.linears[name])
             self.shapes[name] = (module.in_features, module.out_features)
         assert self.shapes, "no LoRA target modules found in the base model"
+
+    def pack_for_sampling(self) -> bool:
+        """Pack every wrapped linear's frozen weight for oneDNN (`cpu_linear`), which sampling
+        then runs on: float32 CPU weights only, and only where `cpu_linear.available()`. True if
+        packed. Costs the linears' weights again in memory."""
+        weights = [linear.base.weight for linear in self.linears.values()]
+        if not weights or not all(
+            w.device.type == "cpu" and w.dtype == torch.float32 for w in weights
+        ):
+            return False
+        if not cpu_linear.available():
+            return False
+        for linear in self.linears.values():
+            linear.packed = cpu_linear.pack(linear.base.weight)
+        return True
 
     @contextlib.contextmanager
     def use(self, weights: LoraWeights | None) -> Iterator[None]:

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from treadle.gpu_worker.heap import release_excess
 from treadle.gpu_worker.lora import TrainableLora
 
-__all__ = ["Paging", "SPILL_SUFFIX", "page_out", "write_spill_file"]
+__all__ = ["Paging", "SPILL_SUFFIX", "owned", "page_out", "write_spill_file"]
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +155,18 @@ class Paging:
                 f"adapter {adapter_id!r} was paged out to {path} and cannot be read back ({exc}); "
                 "its session must be rebuilt from its checkpoint"
             ) from exc
-        lora.restore(tensors)
+        lora.restore({name: owned(t) for name, t in tensors.items()})
         del self._files[adapter_id]
         path.unlink(missing_ok=True)
+
+
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (read from a spill file) in memory of its own. safetensors reads a file's
+    tensors as views into one buffer, each at its offset in the file, which need not be aligned
+    the way the allocator aligns a tensor; a matrix product's result can depend on its operands'
+    alignment (MKL's can), so a paged-in adapter or snapshot would compute other bits than it did
+    before it went out."""
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def page_out(least_recent_first: list[str], excess: int, spill: Callable[[str], bool]) -> None:

@@ -164,6 +164,7 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         max_loaded_adapters=config.max_loaded_adapters or None,  # 0: no limit
         max_loaded_snapshots=config.max_loaded_snapshots or None,
         spill_dir=config.spill_dir(worker_id),
+        pack_cpu_weights=config.pack_cpu_weights,
     )
     host = SessionHost(
         db=db.connect(config.database_url, pool_size=4),

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from treadle.gpu_worker.lora import LoraWeights
-from treadle.gpu_worker.paging import page_out, write_spill_file
+from treadle.gpu_worker.paging import owned, page_out, write_spill_file
 from treadle.platform.errors import UnavailableError
 
 __all__ = ["SNAPSHOT_SUFFIX", "Snapshot", "Snapshots"]
@@ -174,8 +174,8 @@ def _read(path: Path, snapshot_id: str, device: torch.device) -> LoraWeights:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             modules = json.loads(metadata["modules"])
-            a = {m: f.get_tensor(f"A:{m}").to(device) for m in modules}
-            b = {m: f.get_tensor(f"B:{m}").to(device) for m in modules}
+            a = {m: owned(f.get_tensor(f"A:{m}")).to(device) for m in modules}
+            b = {m: owned(f.get_tensor(f"B:{m}")).to(device) for m in modules}
         return LoraWeights(scale=float(metadata["scale"]), A=a, B=b)
     except Exception as exc:  # OSError, or safetensors' error for a damaged file
         raise UnavailableError(
