@@ -6,7 +6,10 @@ The in-process baseline: the catalogue's model (the same weights the worker load
 batch, loaded once in this process. The platform: the embedded one (`treadle up`, one worker)
 and, through Treadle's SDK, the same prompts as `--requests` concurrent requests (greedy, no
 early stop) on one session's sampler, and on `--requests` sessions (each its own adapter); once
-one at a time for reference. `--trials` rounds run the three (baseline, one session, many) in a
+one at a time for reference. On the CPU, a second in-process baseline runs the same `generate`
+with the model's linears on weights packed for oneDNN, as the worker samples
+(`gpu_worker/cpu_linear`): the platform's ratio to it shows what the platform itself costs, apart
+from the kernels. `--trials` rounds run each kind (baselines, one session, many) in a
 rotating order, so the machine's drifting load falls on all alike; each concurrent run's tokens
 are checked equal to the one-at-a-time run's. Prints median tokens/s and the median of each
 round's ratio to that round's baseline; record them in docs/benchmarks.md.
@@ -17,6 +20,7 @@ Usage: python benchmarks/sampling.py [--model treadle/tiny-debug] [--trials 5]
 from __future__ import annotations
 
 import argparse
+import functools
 import secrets
 import shutil
 import statistics
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import treadle  # noqa: E402
+from treadle.gpu_worker import cpu_linear  # noqa: E402
 from treadle.gpu_worker.models import load_base_model  # noqa: E402
 from treadle.platform.config import DEFAULT_CACHE_DIR  # noqa: E402
 from treadle.platform.embedded import free_port  # noqa: E402
@@ -71,6 +76,21 @@ class Baseline:
         seconds = time.perf_counter() - started
         assert out_B_T.shape[1] == self.ids_B_T.shape[1] + self.new_tokens
         return len(self.ids_B_T) * self.new_tokens / seconds
+
+
+class PackedBaseline(Baseline):
+    """The same `generate`, its model's linears on weights packed for oneDNN as the worker's
+    are for sampling (`gpu_worker/cpu_linear`): the platform against the same kernels."""
+
+    def __init__(self, model_name: str, prompts_B: list[list[int]], new_tokens: int) -> None:
+        super().__init__(model_name, prompts_B, new_tokens)
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                packed = cpu_linear.pack(module.weight)
+                module.forward = functools.partial(
+                    cpu_linear.linear, packed=packed, bias=module.bias
+                )
+        self.rate()  # warm-up
 
 
 def concurrent(
@@ -131,6 +151,12 @@ def main() -> int:
     args = parser.parse_args()
     prompts_B = prompts(args.requests, args.prompt_tokens)
     baseline = Baseline(args.model, prompts_B, args.new_tokens)
+    # What the worker's kernels give in this process (CPU, where the worker packs its weights).
+    packed = (
+        PackedBaseline(args.model, prompts_B, args.new_tokens)
+        if baseline.ids_B_T.device.type == "cpu" and cpu_linear.available()
+        else None
+    )
     params = treadle.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, stop=[])
     data_dir = Path(tempfile.mkdtemp(prefix="treadle-sampling-bench-"))
     key = "tml-bench-" + secrets.token_hex(8)
@@ -148,6 +174,7 @@ def main() -> int:
             rates = alternating(
                 {
                     "generate": baseline.rate,
+                    **({"packed": packed.rate} if packed is not None else {}),
                     "one session": checked(
                         lambda: concurrent(samplers[:1], prompts_B, params), expected
                     ),
@@ -160,10 +187,17 @@ def main() -> int:
         shutil.rmtree(data_dir, ignore_errors=True)
     base = rates["generate"]
 
+    def ratio(values: list[float], to: list[float]) -> tuple[float, list[float]]:
+        ratios = [v / b for v, b in zip(values, to, strict=True)]
+        return statistics.median(ratios), [round(r, 2) for r in ratios]
+
     def line(label: str, values: list[float]) -> str:
-        ratios = [v / b for v, b in zip(values, base, strict=True)]
-        return (f"  {label:36s} {statistics.median(values):8.1f} tokens/s "
-                f"({statistics.median(ratios):.2f}x; per round {[round(r, 2) for r in ratios]})")  # fmt: skip
+        median, rounds = ratio(values, base)
+        text = (f"  {label:36s} {statistics.median(values):8.1f} tokens/s "
+                f"({median:.2f}x; per round {rounds})")  # fmt: skip
+        if "packed" in rates:
+            text += f"; {ratio(values, rates['packed'])[0]:.2f}x of the packed generate"
+        return text
 
     n = args.requests
     print(
@@ -173,6 +207,8 @@ def main() -> int:
     )
     print(f"  {'in-process batched generate':36s} {statistics.median(base):8.1f} tokens/s "
           f"(per round {[round(b, 1) for b in base]})")  # fmt: skip
+    if "packed" in rates:
+        print(line("in-process generate, packed linears", rates["packed"]))
     print(f"  {'SDK, one at a time (once)':36s} {serial_rate:8.1f} tokens/s "
           f"({serial_rate / statistics.median(base):.2f}x)")  # fmt: skip
     print(line(f"SDK, {n} concurrent on 1 session", rates["one session"]))
