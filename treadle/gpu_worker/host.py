@@ -148,7 +148,7 @@ class SessionHost:
         if self.closing.is_set():
             return
         with self._locks[session_id]:
-            with self.db.connect() as conn:
+            with db.reading(self.db) as conn:  # reads only: no transaction to begin or end
                 session = sessions_core.get_session(conn, None, session_id)
                 op = operations.get_operation(conn, None, request_id) if request_id else None
             if session.worker_id != self.worker_id:

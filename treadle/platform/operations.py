@@ -88,6 +88,23 @@ _OLDEST_PENDING = (
     .order_by(operations.c.seq_id)
     .limit(1)
 )
+# The outcome, written only if the operation is still pending (the statement both checks and
+# writes).
+_OUTCOME = (
+    sa.update(operations)
+    .where(
+        operations.c.request_id == sa.bindparam("outcome_request_id"),
+        operations.c.status == OpStatus.PENDING,
+    )
+    .values(
+        status=sa.bindparam("outcome_status"),
+        result=sa.bindparam("outcome_result", type_=operations.c.result.type),
+        error=sa.bindparam("outcome_error", type_=operations.c.error.type),
+        state=sa.bindparam("outcome_state", type_=operations.c.state.type),
+        completed_at=sa.func.now(),
+    )
+    .returning(operations.c.request_id)
+)
 _APPLIED = (
     sa.update(sessions)
     .where(sessions.c.id == sa.bindparam("session_id"))
@@ -348,16 +365,14 @@ def settle(
     # The outcome, only if the operation is still pending (one statement both checks and
     # writes); everything else below commits with it or not at all.
     claimed = conn.execute(
-        sa.update(operations)
-        .where(operations.c.request_id == op.request_id, operations.c.status == OpStatus.PENDING)
-        .values(
-            status=OpStatus.COMPLETED if error is None else OpStatus.FAILED,
-            result=result,
-            error=error,
-            state=None if error is not None or state is None else dict(state),
-            completed_at=sa.func.now(),
-        )
-        .returning(operations.c.request_id)
+        _OUTCOME,
+        {
+            "outcome_request_id": op.request_id,
+            "outcome_status": OpStatus.COMPLETED if error is None else OpStatus.FAILED,
+            "outcome_result": result,
+            "outcome_error": error,
+            "outcome_state": None if error is not None or state is None else dict(state),
+        },
     ).first()
     if claimed is None:
         return Settlement(is_new=False)
