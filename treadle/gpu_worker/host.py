@@ -150,7 +150,10 @@ class SessionHost:
         with self._locks[session_id]:
             with db.reading(self.db) as conn:  # reads only: no transaction to begin or end
                 session = sessions_core.get_session(conn, None, session_id)
-                op = operations.get_operation(conn, None, request_id) if request_id else None
+                found = (
+                    operations.get_operation_with_payload(conn, request_id) if request_id else None
+                )
+            op, payload = found if found is not None else (None, None)
             if session.worker_id != self.worker_id:
                 log.info("%s: not the lease holder of %s", self.worker_id, session_id)
                 if self.on_not_holder is not None:
@@ -162,9 +165,13 @@ class SessionHost:
             try:
                 if op is not None and op.sampler_id is not None:
                     if not op.is_done:
-                        self._run_samples(session, op)
+                        self._run_samples(session, op, parse_payload(op.type, payload))
                     return
-                self._drain(session_id, session)
+                # The operation woken for is usually the one to apply next: no need to look it up.
+                next_op = None
+                if op is not None and not op.is_done and op.seq_id == session.last_applied_seq + 1:
+                    next_op = (op, payload)
+                self._drain(session_id, session, next_op)
             except (recovery.Diverged, recovery.Unrecoverable) as exc:
                 self._halt(session_id, exc)
             except WorkerClosing:
@@ -212,16 +219,29 @@ class SessionHost:
 
     # --- ordering ---------------------------------------------------------------------------
 
-    def _drain(self, session_id: str, read: SessionRow | None = None) -> None:
+    def _drain(
+        self,
+        session_id: str,
+        read: SessionRow | None = None,
+        pending: tuple[operations.OperationRow, Any] | None = None,
+    ) -> None:
         """Apply the session's next training operations in order. `read`: the session as the
-        caller read it a moment ago, under this session's lock (spares the first read)."""
+        caller read it a moment ago, under this session's lock (spares the first read);
+        `pending`: the pending operation at its next seq_id, with its payload, read with it
+        (spares the first look-up)."""
         while not self.closing.is_set():
             with db.reading(self.db) as conn:  # reads only: no transaction to begin or end
                 session = read or sessions_core.get_session(conn, None, session_id)
                 read = None
                 if session.worker_id != self.worker_id or not session.is_active:
                     return
-                op, payload, later = _training_op_at(conn, session_id, session.last_applied_seq + 1)
+                op: operations.OperationRow | None
+                if pending is not None:
+                    (op, payload), later = pending, False
+                    pending = None
+                else:
+                    next_seq = session.last_applied_seq + 1
+                    op, payload, later = _training_op_at(conn, session_id, next_seq)
                 oldest = None
                 if later:  # a gap before it: how long has it waited?
                     oldest = operations.oldest_pending_training_op(conn, session_id)
@@ -343,11 +363,13 @@ class SessionHost:
             if every > 0 and held.steps_since_point >= every:
                 self._write_point(session, op.seq_id)
 
-    def _run_samples(self, session: SessionRow, first: operations.OperationRow) -> None:
-        """Run `first` in one continuous batch with the samples waiting on this worker's
-        sessions; more join between decoding steps while the batch is young, and each is
-        settled as soon as it finishes (called holding `session`'s lock)."""
-        payload = self._sample_payload(first)
+    def _run_samples(
+        self, session: SessionRow, first: operations.OperationRow, payload: Payload
+    ) -> None:
+        """Run `first` (its request's `payload`) in one continuous batch with the samples
+        waiting on this worker's sessions; more join between decoding steps while the batch is
+        young, and each is settled as soon as it finishes (called holding `session`'s lock)."""
+        assert isinstance(payload, Sample)
         if payload.snapshot_id and not payload.checkpoint_prefix:
             self._ensure_snapshot(session, payload.snapshot_id)
         batch = self.engine.open_batch(session.base_model)
@@ -457,14 +479,6 @@ class SessionHost:
                 error = _error_of(exc, failed)
             seconds = time.perf_counter() - sampling.started
             self._settle(sampling.session, sampling.op, outcome, error, None, seconds)
-
-    def _sample_payload(self, op: operations.OperationRow) -> Sample:
-        with self.db.connect() as conn:
-            payload = parse_payload(
-                op.type, events.read_at(conn, op.request_position).data["payload"]
-            )
-        assert isinstance(payload, Sample)
-        return payload
 
     def _waiting_samples(
         self,

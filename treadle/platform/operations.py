@@ -75,6 +75,11 @@ _TRAINING_OP_FROM = (
     .order_by(operations.c.seq_id)
     .limit(1)
 )
+_WITH_PAYLOAD = (
+    sa.select(operations, event_rows.c.data["payload"].label("request_payload"))
+    .join(event_rows, event_rows.c.position == operations.c.request_position)
+    .where(operations.c.request_id == sa.bindparam("request_id"))
+)
 _OLDEST_PENDING = (
     sa.select(
         operations.c.seq_id,
@@ -261,6 +266,15 @@ def get_operation(
     if row is None:
         raise NotFoundError(f"request {request_id} not found")
     return _row(row)
+
+
+def get_operation_with_payload(conn: sa.Connection, request_id: str) -> tuple[OperationRow, Any]:
+    """An operation (unscoped: the platform's own read) and its request's payload, in one
+    query. Raises NotFoundError for an unknown request id."""
+    row = conn.execute(_WITH_PAYLOAD, {"request_id": request_id}).first()
+    if row is None:
+        raise NotFoundError(f"request {request_id} not found")
+    return _row(row), row.request_payload
 
 
 def training_op_at(conn: sa.Connection, session_id: str, seq_id: int) -> OperationRow | None:
