@@ -59,13 +59,15 @@ SAMPLE_LOOK_INTERVAL_SECONDS = 0.02
 # A batch gathers the samples that arrive right after its first before its first step: it
 # starts once none has come for SAMPLE_GATHER_QUIET_SECONDS (looking every
 # SAMPLE_GATHER_LOOK_SECONDS), at the latest SAMPLE_GATHER_MAX_SECONDS after the first.
-# Requests sent together reach the worker milliseconds apart (each is admitted on its own),
-# and on a CPU a decoding step of one row costs nearly what one of sixteen does: a batch that
-# started with the first alone spent a tenth of a second or more decoding it alone, steps that
-# every later request then added at its end (docs/benchmarks.md, "Sampling").
-SAMPLE_GATHER_QUIET_SECONDS = 0.015
+# Requests sent together reach the worker milliseconds apart: each is admitted on its own, and
+# those of one session one after another (each append locks the session's row), 10-15 ms apart
+# for 16 requests on one sampler here. On a CPU a decoding step of one row costs nearly what one
+# of sixteen does: a batch that started with the first alone decoded it alone for a tenth of a
+# second or more, steps every later request then added at its end; a lone sample pays the quiet
+# period (docs/benchmarks.md, "Sampling").
+SAMPLE_GATHER_QUIET_SECONDS = 0.04
 SAMPLE_GATHER_LOOK_SECONDS = 0.004
-SAMPLE_GATHER_MAX_SECONDS = 0.15
+SAMPLE_GATHER_MAX_SECONDS = 0.3
 
 
 @dataclasses.dataclass
