@@ -66,7 +66,7 @@ SAMPLE_LOOK_INTERVAL_SECONDS = 0.02
 # second or more, steps every later request then added at its end; a lone sample pays the quiet
 # period (docs/benchmarks.md, "Sampling").
 SAMPLE_GATHER_QUIET_SECONDS = 0.04
-SAMPLE_GATHER_LOOK_SECONDS = 0.004
+SAMPLE_GATHER_LOOK_SECONDS = 0.01
 SAMPLE_GATHER_MAX_SECONDS = 0.3
 
 
