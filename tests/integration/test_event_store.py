@@ -7,7 +7,8 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from treadle.platform import events, sessions, tenants
+from treadle.platform import events, leases, operations, sessions, tenants
+from treadle.platform.optypes import ForwardBackward
 from treadle.platform.schema import metadata
 
 pytestmark = pytest.mark.integration
@@ -66,3 +67,65 @@ def test_models_and_migrations_do_not_drift(engine: sa.Engine) -> None:
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), metadata)
     assert diff == []
+
+
+def _forward() -> ForwardBackward:
+    ints = {"dtype": "int64", "shape": [2], "data": [6, 7]}
+    weights = {"dtype": "float32", "shape": [2], "data": [1.0, 1.0]}
+    return ForwardBackward.model_validate(
+        {
+            "loss_fn": "cross_entropy",
+            "loss_fn_config": {},
+            "forward_only": True,
+            "data": [
+                {"tokens": [5, 6], "loss_fn_inputs": {"target_tokens": ints, "weights": weights}}
+            ],
+        }
+    )
+
+
+def test_settlement_is_fenced_advances_the_session_and_says_what_is_pending_after_it(
+    quiet_engine: sa.Engine, session_id: str
+) -> None:
+    """The settlement's folded statements: the lease check, the outcome written once, the
+    applied seq advanced with the outcome's event, and the next pending training seq_id."""
+    principal = tenants.Principal("key-unit", "unit", "admin")
+    with quiet_engine.begin() as conn:
+        leases.heartbeat_worker(conn, "w-unit", {})
+        assert leases.lease_session(conn, session_id, "w-unit", only_if_unleased=True)
+        epoch = sessions.get_session(conn, None, session_id).lease_epoch
+        admitted = [
+            operations.admit(conn, principal, session_id, seq, _forward(), metering=False)
+            for seq in (0, 1)
+        ]
+    with quiet_engine.connect() as conn:
+        first, second = (operations.get_operation(conn, None, a.request_id) for a in admitted)
+
+    def settle(op: operations.OperationRow, lease_epoch: int) -> operations.Settlement:
+        with quiet_engine.begin() as conn:
+            return operations.settle(
+                conn, op, worker_id="w-unit", lease_epoch=lease_epoch,
+                result={"ok": op.seq_id}, error=None, usage={},
+            )  # fmt: skip
+
+    with pytest.raises(leases.StaleLeaseError):
+        settle(first, epoch + 1)
+    with quiet_engine.connect() as conn:
+        assert not operations.get_operation(conn, None, first.request_id).is_done
+        assert sessions.get_session(conn, None, session_id).last_applied_seq == -1
+
+    done = settle(first, epoch)
+    assert (done.is_new, done.next_pending) == (True, 1)
+    assert not settle(first, epoch).is_new  # a duplicate writes nothing
+    last = settle(second, epoch)
+    assert (last.is_new, last.next_pending) == (True, None)
+    with quiet_engine.connect() as conn:
+        session = sessions.get_session(conn, None, session_id)
+        stream = events.read_stream(conn, session_id)
+        woken, found = operations.session_and_operation(conn, session_id, second.request_id)
+    assert (session.last_applied_seq, session.status) == (1, sessions.SessionStatus.RUNNING)
+    assert [e.type for e in stream][-2:] == ["OperationCompleted", "OperationCompleted"]
+    assert [e.seq for e in stream] == list(range(1, len(stream) + 1))
+    assert found is not None and found[0].result == {"ok": 1}
+    assert found[1]["data"][0]["tokens"] == [5, 6]
+    assert woken.id == session_id

@@ -150,11 +150,11 @@ class SessionHost:
         if self.closing.is_set():
             return
         with self._locks[session_id]:
-            with db.reading(self.db) as conn:  # reads only: no transaction to begin or end
-                session = sessions_core.get_session(conn, None, session_id)
-                found = (
-                    operations.get_operation_with_payload(conn, request_id) if request_id else None
-                )
+            with db.reading(self.db) as conn:  # one read, no transaction to begin or end
+                if request_id is None:
+                    session, found = sessions_core.get_session(conn, None, session_id), None
+                else:
+                    session, found = operations.session_and_operation(conn, session_id, request_id)
             op, payload = found if found is not None else (None, None)
             if session.worker_id != self.worker_id:
                 log.info("%s: not the lease holder of %s", self.worker_id, session_id)
@@ -256,7 +256,8 @@ class SessionHost:
             if op.is_done:  # settled by a previous holder; cannot happen with a current lease
                 return
             self._ensure_current(session)
-            self._execute(session, op, parse_payload(op.type, payload))
+            if not self._execute(session, op, parse_payload(op.type, payload)):
+                return  # nothing was pending after it; anything admitted since has its wake-up
 
     def _skip(self, session: SessionRow, to_seq: int, reason: str) -> None:
         with self.db.begin() as conn:
@@ -335,27 +336,31 @@ class SessionHost:
 
     # --- execution --------------------------------------------------------------------------
 
-    def _execute(self, session: SessionRow, op: operations.OperationRow, payload: Payload) -> None:
+    def _execute(self, session: SessionRow, op: operations.OperationRow, payload: Payload) -> bool:
+        """Run and settle a training operation; False when its settlement saw no training
+        operation of the session pending after it (the drain has nothing more to look up)."""
         call = self._call(session, op)
         outcome, error, state, seconds = self._run(call, payload, op)
         try:
             if self.config.debug_faults:
                 faults.maybe_pause(self.redis, session.id, op.type, op.seq_id, self.closing)
-            settled = self._settle(session, op, outcome, error, state, seconds)
+            settlement = self._settle(session, op, outcome, error, state, seconds)
         except BaseException:
             self._discard(session.id)  # whether it committed is unknown: rebuild from the log
             if self.config.debug_faults:
                 faults.note_settle_failure(self.redis, session.id, op.seq_id)
             raise
+        settled = settlement is not None and settlement.is_new
         if not (settled and error is None):
             self._discard(session.id)  # its effect, if any, is not in the log
             if settled and isinstance(payload, Rebuild):  # a replay or fork that never began
                 assert error is not None
                 self._halt(session.id, recovery.Unrecoverable(error["message"]))
-            return
+            return True
+        more = settlement is not None and settlement.next_pending is not None
         held = self._held.get(session.id)
         if held is None:
-            return
+            return more
         held.applied_seq = op.seq_id
         if outcome is not None and outcome.point is not None:
             held.steps_since_point = 0
@@ -364,6 +369,7 @@ class SessionHost:
             every = self.config.auto_checkpoint_steps
             if every > 0 and held.steps_since_point >= every:
                 self._write_point(session, op.seq_id)
+        return more
 
     def _run_samples(
         self, session: SessionRow, first: operations.OperationRow, payload: Payload
@@ -587,7 +593,9 @@ class SessionHost:
         error: dict[str, Any] | None,
         state: dict[str, str] | None,
         seconds: float,
-    ) -> bool:
+    ) -> operations.Settlement | None:
+        """Settle an operation's outcome; None when this worker's lease was stale (nothing was
+        written)."""
         tokens = outcome.tokens if outcome is not None else handlers.no_tokens()
         usage = {"duration_ms": round(seconds * 1000, 3), "tokens": tokens}
         try:
@@ -607,13 +615,13 @@ class SessionHost:
         except leases.StaleLeaseError as exc:
             log.warning("refused a stale write: %s", exc)
             metrics.count_conflict("stale_lease")
-            return False
+            return None
         if settled.is_new:
             notify.publish_done(self.redis, op.request_id)
             telemetry.settled(self.worker_id, op, error, seconds)
         if settled.charge is not None:
             metrics.count_charge(settled.charge)
-        return settled.is_new
+        return settled
 
     # --- samplers' snapshots and recovery points ----------------------------------------------
 

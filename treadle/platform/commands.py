@@ -84,12 +84,13 @@ def submit(
                         outcome=outcome, error_code=error_code)  # fmt: skip
 
     try:
+        limiter = deps.rate_limiter
+
+        def rate_limit(quota: quotas.Quota) -> None:
+            if limiter is not None:
+                limiter.check(principal.tenant_id, quota.requests_per_second)
+
         with deps.db.begin() as conn:
-            quota = None
-            if deps.config.metering:
-                quota = quotas.get_quota(conn, principal.tenant_id)
-                if deps.rate_limiter is not None:
-                    deps.rate_limiter.check(principal.tenant_id, quota.requests_per_second)
             admission = operations.admit(
                 conn,
                 principal,
@@ -98,7 +99,7 @@ def submit(
                 payload,
                 sampler_id=sampler_id,
                 metering=deps.config.metering,
-                quota=quota,
+                on_quota=rate_limit,
             )
             if admission.is_new and with_request is not None:
                 with_request(conn)

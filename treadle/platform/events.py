@@ -59,17 +59,28 @@ class Event:
 # settlement), and building and compiling Core statements per call cost the client more CPU than
 # PostgreSQL spent running them (docs/benchmarks.md, "Event store"). benchmarks/events.py also
 # runs this statement through pgbench.
-APPEND_SQL = """
+def append_sql(*, also_set: str = "", then: str = "") -> str:
+    """The append statement. `also_set` (", col = expr, ...") adds to the session row's update,
+    which locks and updates the row anyway; `then` ends the statement with one that reads the new
+    event from `appended` (default: its position, seq and created_at). Both fold a write that
+    would be a round trip of its own into the append (see `append_then`)."""
+    return f"""
 WITH bumped AS (
-    UPDATE sessions SET last_event_seq = last_event_seq + 1, updated_at = now()
+    UPDATE sessions SET last_event_seq = last_event_seq + 1, updated_at = now(){also_set}
     WHERE id = %(session_id)s
     RETURNING last_event_seq
+), appended AS (
+    INSERT INTO events (session_id, seq, type, data, tenant_id, actor)
+    SELECT %(session_id)s, last_event_seq, %(type)s, CAST(%(data)s AS jsonb), %(tenant_id)s,
+           %(actor)s
+    FROM bumped
+    RETURNING position, seq, created_at
 )
-INSERT INTO events (session_id, seq, type, data, tenant_id, actor)
-SELECT %(session_id)s, last_event_seq, %(type)s, CAST(%(data)s AS jsonb), %(tenant_id)s, %(actor)s
-FROM bumped
-RETURNING position, seq, created_at
+{then or "SELECT position, seq, created_at FROM appended"}
 """
+
+
+APPEND_SQL = append_sql()
 
 
 def append(
@@ -88,10 +99,29 @@ def append(
     already taken (a row written around `append`) fails on `uq_events_session_seq`.
     Raises NotFoundError when the session does not exist.
     """
+    row = append_then(conn, APPEND_SQL, session_id, tenant_id, type, data, actor=actor)
+    return Event(row.position, session_id, row.seq, type, data, tenant_id, actor, row.created_at)
+
+
+def append_then(
+    conn: sa.Connection,
+    sql: str,
+    session_id: str,
+    tenant_id: str,
+    type: str,
+    data: Mapping[str, Any],
+    *,
+    actor: str | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> sa.Row[Any]:
+    """Append as `append` does, with a statement from `append_sql` (built once by the caller)
+    and its own `params`; returns the row its `then` answers. Raises NotFoundError when the
+    session does not exist (the statement answered nothing)."""
     assert type in EVENT_TYPES, type
     row = conn.exec_driver_sql(
-        APPEND_SQL,
+        sql,
         {
+            **(params or {}),
             "session_id": session_id,
             "type": type,
             "data": json.dumps(dict(data)),
@@ -102,7 +132,7 @@ def append(
     if row is None:
         raise NotFoundError(f"session {session_id} not found")
     metrics.count_append(conn, type)
-    return Event(row.position, session_id, row.seq, type, data, tenant_id, actor, row.created_at)
+    return row
 
 
 def read_stream(

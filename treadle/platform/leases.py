@@ -29,12 +29,18 @@ def hold(conn: sa.Connection, session_id: str, worker_id: str, lease_epoch: int)
     """Lock the session row and check that `worker_id` still holds it at `lease_epoch`; every
     write a worker makes about a session goes through this first. Raises StaleLeaseError."""
     session = get_session(conn, None, session_id, for_update=True)
+    check_holder(session, worker_id, lease_epoch)
+    return session
+
+
+def check_holder(session: SessionRow, worker_id: str, lease_epoch: int) -> None:
+    """Raise StaleLeaseError unless `worker_id` holds `session` (as read, locked) at
+    `lease_epoch`."""
     if session.worker_id != worker_id or session.lease_epoch != lease_epoch:
         raise StaleLeaseError(
-            f"{worker_id} epoch {lease_epoch} no longer holds {session_id} "
+            f"{worker_id} epoch {lease_epoch} no longer holds {session.id} "
             f"({session.worker_id} epoch {session.lease_epoch} does)"
         )
-    return session
 
 
 def _seconds_ago(seconds: float) -> sa.ColumnElement[Any]:

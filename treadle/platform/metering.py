@@ -122,16 +122,29 @@ def _session_update(names: tuple[str, ...]) -> Any:
     )
 
 
-# A reservation written, and added to its session's, in one statement.
-_RESERVATION = reservations.insert().values(
-    {c: sa.bindparam(f"p_{c}") for c in ("request_id", "tenant_id", "session_id", "month")}
-    | {"micro_usd": sa.bindparam("p_reserved_micro_usd"), "tokens": sa.bindparam("p_tokens")}
-)
-_HOLD = (
-    sa.update(sessions)
-    .where(sessions.c.id == sa.bindparam("p_session_id"))
-    .values(reserved_micro_usd=sessions.c.reserved_micro_usd + sa.bindparam("p_reserved_micro_usd"))
-    .add_cte(_RESERVATION.cte("held"))
+# A reservation: this month's row locked and added to (created if missing; the row as updated is
+# returned, for the budget checks), the reservation written under that month and added to its
+# session's, in one statement. A refusal after it raises, and the caller's transaction ends
+# without commit.
+_MONTH_RESERVED = _month_upsert(("reserved_micro_usd", "reserved_tokens"), True).cte("month")
+_RESERVED = (
+    sa.select(_MONTH_RESERVED)
+    .add_cte(
+        reservations.insert()
+        .from_select(
+            ["request_id", "tenant_id", "session_id", "month", "micro_usd", "tokens"],
+            sa.select(
+                sa.bindparam("p_request_id", type_=sa.Text),
+                sa.bindparam("p_tenant_id", type_=sa.Text),
+                sa.bindparam("p_session_id", type_=sa.Text),
+                _MONTH_RESERVED.c.month,
+                sa.bindparam("p_reserved_micro_usd", type_=sa.BigInteger),
+                sa.bindparam("p_reserved_tokens", type_=sa.BigInteger),
+            ).select_from(_MONTH_RESERVED),
+        )
+        .cte("held")
+    )
+    .add_cte(_session_update(("reserved_micro_usd",)).cte("session_held"))
 )
 # A completed operation's usage row written and its reservation (if any) deleted, in one
 # statement that also answers this month and what the reservation held.
@@ -152,6 +165,13 @@ _CHARGE = (
     .select_from(_CLOCK.outerjoin(_RELEASED, sa.true()))
     .add_cte(usage.insert().values({c: sa.bindparam(f"p_{c}") for c in USAGE_COLUMNS}).cte("used"))
 )
+# A charge's month row (settled added, its reservation freed) and its session's money, in one
+# statement; p_reserved_micro_usd is the same for both (what the reservation held, negated).
+_CHARGED = _session_update(("spent_micro_usd", "reserved_micro_usd")).add_cte(
+    _month_upsert(
+        ("settled_micro_usd", "settled_tokens", "reserved_micro_usd", "reserved_tokens"), False
+    ).cte("month")
+)
 
 
 def reserve(
@@ -161,10 +181,12 @@ def reserve(
     payload: Payload,
     *,
     quota: quotas.Quota | None = None,
+    price: Mapping[str, int] | None = None,
 ) -> None:
     """Hold the operation's most possible cost, or refuse it (402 over a budget or the session's
     cap, 413 over the largest-request quota). The caller holds the session row's lock; `quota`
-    is the tenant's if the caller read it already.
+    is the tenant's and `price` the base model's highest from now on (`prices.highest_from_now`)
+    if the caller read them already in this transaction.
 
     The cost is added to the month's reservations before the budgets are checked (one statement
     locks the row and adds it): a refusal leaves that write in the caller's transaction, which
@@ -184,11 +206,19 @@ def reserve(
         )
     if tokens.total == 0:
         return
-    price = prices.highest_from_now(conn, session.base_model)
+    if price is None:
+        price = prices.highest_from_now(conn, session.base_model)
     micro = sum(prices.cost_micro_usd(n, price[c]) for c, n in tokens.by_class().items())
-    spent = _add_month(
-        conn, session.tenant_id, None, reserved_micro_usd=micro, reserved_tokens=tokens.total
-    )
+    spent = conn.execute(
+        _RESERVED,
+        {
+            "p_request_id": request_id,
+            "p_tenant_id": session.tenant_id,
+            "p_session_id": session.id,
+            "p_reserved_micro_usd": micro,
+            "p_reserved_tokens": tokens.total,
+        },
+    ).one()
     month = spent.month
     budget = quota.monthly_micro_usd
     in_use = spent.settled_micro_usd + spent.reserved_micro_usd - micro
@@ -226,17 +256,6 @@ def reserve(
             value=cap / prices.MICRO,
             current=held / prices.MICRO,
         )
-    conn.execute(
-        _HOLD,
-        {
-            "p_request_id": request_id,
-            "p_tenant_id": session.tenant_id,
-            "p_session_id": session.id,
-            "p_month": month,
-            "p_reserved_micro_usd": micro,
-            "p_tokens": tokens.total,
-        },
-    )
 
 
 def charge(
@@ -248,11 +267,14 @@ def charge(
     actor: str | None,
     op_type: str,
     tokens: Mapping[str, int],
+    price: Mapping[str, int | None] | None = None,
 ) -> Charge:
-    """Write the completed operation's usage row at the prices in effect now, and release its
-    reservation. The settlement's transaction guarantees it runs once per operation; the row's
-    key (the request id) guarantees it besides."""
-    price = prices.in_effect(conn, session.base_model)
+    """Write the completed operation's usage row at the prices in effect now (`price`, if the
+    caller read them in this transaction already), and release its reservation. The
+    settlement's transaction guarantees it runs once per operation; the row's key (the request
+    id) guarantees it besides."""
+    if price is None:
+        price = prices.in_effect(conn, session.base_model)
     counts = {c: int(tokens.get(c, 0)) for c in CLASSES}
     micro = {c: prices.cost_micro_usd(counts[c], price[c]) for c in CLASSES}
     unpriced = any(counts[c] > 0 and price[c] is None for c in CLASSES)
@@ -273,14 +295,17 @@ def charge(
     total = sum(micro.values())
     settled = {"settled_micro_usd": total, "settled_tokens": sum(counts.values())}
     freed = {"reserved_micro_usd": -(found.micro_usd or 0), "reserved_tokens": -(found.tokens or 0)}
+    spent = {"spent_micro_usd": total, "reserved_micro_usd": freed["reserved_micro_usd"]}
     if found.month is None or found.month == found.this_month:
-        _add_month(conn, session.tenant_id, found.this_month, **settled, **freed)
-    else:  # reserved in an earlier month: that row first (the lock order)
-        _add_month(conn, session.tenant_id, found.month, **freed)
-        _add_month(conn, session.tenant_id, found.this_month, **settled)
-    _add_session(
-        conn, session.id, spent_micro_usd=total, reserved_micro_usd=freed["reserved_micro_usd"]
-    )
+        params: dict[str, Any] = {"p_tenant_id": session.tenant_id, "p_month": found.this_month}
+        params.update({f"p_{name}": delta for name, delta in (settled | freed).items()})
+        params.update({"p_session_id": session.id, "p_spent_micro_usd": total})
+        conn.execute(_CHARGED, params)  # the month's row and the session's, in one statement
+        return Charge(session.tenant_id, session.base_model, counts, micro)
+    # reserved in an earlier month: that row first (the lock order)
+    _add_month(conn, session.tenant_id, found.month, **freed)
+    _add_month(conn, session.tenant_id, found.this_month, **settled)
+    _add_session(conn, session.id, **spent)
     return Charge(session.tenant_id, session.base_model, counts, micro)
 
 

@@ -19,18 +19,21 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
 
-from treadle.platform import events, metrics
+from treadle.platform import events, metrics, prices
 from treadle.platform import metering as metering_core
+from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
-from treadle.platform.leases import StaleLeaseError, hold
+from treadle.platform.leases import StaleLeaseError, check_holder, hold
 from treadle.platform.optypes import OpStatus, OpType, Payload
-from treadle.platform.quotas import Quota
+from treadle.platform.quotas import Quota, quota_from_row
 from treadle.platform.schema import events as event_rows
 from treadle.platform.schema import operations, refused_seqs, sessions
+from treadle.platform.schema import quotas as quota_rows
 from treadle.platform.sessions import SessionStatus, expired_message, get_session
 from treadle.platform.tenants import Principal
 
@@ -75,10 +78,39 @@ _TRAINING_OP_FROM = (
     .order_by(operations.c.seq_id)
     .limit(1)
 )
-_WITH_PAYLOAD = (
-    sa.select(operations, event_rows.c.data["payload"].label("request_payload"))
+# An admission's first read, with metering: the session row locked, its tenant's quota and the
+# highest prices of its base model from now on, in one query.
+_ADMITTING = (
+    sa.select(
+        sessions,
+        *[c.label(f"quota_{c.name}") for c in quota_rows.c],
+        prices.highest_from_now_json(sessions.c.base_model).label("admit_prices"),
+    )
+    .select_from(sessions.outerjoin(quota_rows, quota_rows.c.tenant_id == sessions.c.tenant_id))
+    .where(
+        sessions.c.id == sa.bindparam("session_id"),
+        sessions.c.tenant_id == sa.bindparam("tenant_id"),
+    )
+    .with_for_update(of=sessions)
+)
+# A wake-up's one read: the session, and the operation woken for with its request's payload
+# (NULLs when it is not there).
+_WOKEN = (
+    sa.select(
+        *[c.label(f"op_{c.name}") for c in operations.c],
+        event_rows.c.data["payload"].label("op_request_payload"),
+    )
     .join(event_rows, event_rows.c.position == operations.c.request_position)
-    .where(operations.c.request_id == sa.bindparam("request_id"))
+    .where(
+        operations.c.request_id == sa.bindparam("request_id"),
+        operations.c.session_id == sa.bindparam("session_id"),
+    )
+    .subquery("woken")
+)
+_WAKE = (
+    sa.select(sessions, _WOKEN)
+    .select_from(sessions.outerjoin(_WOKEN, sa.true()))
+    .where(sessions.c.id == sa.bindparam("session_id"))
 )
 _OLDEST_PENDING = (
     sa.select(
@@ -93,13 +125,22 @@ _OLDEST_PENDING = (
     .order_by(operations.c.seq_id)
     .limit(1)
 )
-# The outcome, written only if the operation is still pending (the statement both checks and
-# writes).
-_OUTCOME = (
+# A settlement's first statement: lock the session row and read it (its lease is checked in
+# Python: a stale holder gets StaleLeaseError), write the outcome only if the operation is still
+# pending and the lease still holds (the statement both checks and writes), and say the lowest
+# training seq_id still pending after this one (None: the worker has nothing more to look up;
+# anything admitted later gets a wake-up of its own).
+_HELD = sa.select(sessions).where(sessions.c.id == sa.bindparam("outcome_session_id"))
+_HELD_CTE = _HELD.with_for_update().cte("held")
+_CLAIMED = (
     sa.update(operations)
     .where(
         operations.c.request_id == sa.bindparam("outcome_request_id"),
         operations.c.status == OpStatus.PENDING,
+        sa.exists().where(
+            _HELD_CTE.c.worker_id == sa.bindparam("outcome_worker_id"),
+            _HELD_CTE.c.lease_epoch == sa.bindparam("outcome_lease_epoch"),
+        ),
     )
     .values(
         status=sa.bindparam("outcome_status"),
@@ -109,17 +150,41 @@ _OUTCOME = (
         completed_at=sa.func.now(),
     )
     .returning(operations.c.request_id)
+    .cte("claimed")
 )
-_APPLIED = (
-    sa.update(sessions)
-    .where(sessions.c.id == sa.bindparam("session_id"))
-    .values(
-        last_applied_seq=sa.bindparam("seq_id"),
-        status=sa.case(
-            (sessions.c.status == SessionStatus.CREATED, SessionStatus.RUNNING),
-            else_=sessions.c.status,
-        ),
+_NEXT_PENDING = (
+    sa.select(sa.func.min(operations.c.seq_id))
+    .where(
+        operations.c.session_id == sa.bindparam("outcome_session_id"),
+        operations.c.sampler_id.is_(None),
+        operations.c.status == OpStatus.PENDING,
+        operations.c.seq_id > sa.bindparam("outcome_seq_id"),
     )
+    .scalar_subquery()
+)
+_OUTCOME = sa.select(
+    _HELD_CTE,
+    sa.select(_CLAIMED.c.request_id).scalar_subquery().label("outcome_claimed"),
+    _NEXT_PENDING.label("outcome_next_pending"),
+    prices.in_effect_json(_HELD_CTE.c.base_model).label("outcome_prices"),
+)
+# The outcome's event, with a training operation's seq_id recorded as the session's last applied
+# in the same update of the session row (the append locks and updates it anyway).
+_APPLIED_SQL = events.append_sql(
+    also_set=", last_applied_seq = %(applied_seq)s, "
+    "status = CASE WHEN status = %(created)s THEN %(running)s ELSE status END"
+)
+_APPLIED = {"created": SessionStatus.CREATED.value, "running": SessionStatus.RUNNING.value}
+# An admission's request event and its operation row, in one statement.
+_REQUEST_SQL = events.append_sql(
+    then="""
+INSERT INTO operations (request_id, tenant_id, session_id, sampler_id, seq_id, type, status,
+                        payload_hash, request_position, actor)
+SELECT %(request_id)s, %(tenant_id)s, %(session_id)s, %(sampler_id)s, CAST(%(seq_id)s AS bigint),
+       %(op_type)s, %(op_status)s, %(payload_hash)s, position, %(actor)s
+FROM appended
+RETURNING request_position
+"""
 )
 
 
@@ -127,6 +192,9 @@ _APPLIED = (
 class Settlement:
     is_new: bool  # False: it had been settled already (a duplicate), nothing was written
     charge: metering_core.Charge | None = None  # what a completed operation was billed
+    # The lowest training seq_id of the session still pending after this operation when it was
+    # settled (None: none was; one admitted since gets a wake-up of its own).
+    next_pending: int | None = None
 
 
 @dataclass(frozen=True)
@@ -170,17 +238,30 @@ def admit(
     *,
     sampler_id: str | None = None,
     metering: bool = True,
-    quota: Quota | None = None,
+    on_quota: Callable[[Quota], None] | None = None,
 ) -> Admission:
     """Append an operation request (or find the identical one already appended). With
     `metering`, its most possible cost is reserved in the same transaction (or it is refused
-    with a 402/413 and nothing is appended); `quota` is the tenant's, if the caller read it
-    already in this transaction."""
+    with a 402/413 and nothing is appended), and `on_quota` sees the tenant's quota as soon as
+    it is read (the request rate is checked there)."""
     assert payload.is_ordered == (sampler_id is None), (payload.TYPE, sampler_id)
     op_type = payload.TYPE
     if seq_id < 0:
         raise ValidationError(f"seq_id must be >= 0, got {seq_id}")
-    session = get_session(conn, principal, session_id, for_update=True)
+    quota, highest = None, None
+    if metering:
+        row = conn.execute(
+            _ADMITTING, {"session_id": session_id, "tenant_id": principal.tenant_id}
+        ).first()
+        if row is None:
+            raise NotFoundError(f"model {session_id} not found")
+        session = sessions_core.session_row(row)
+        quota = quota_from_row(row, prefix="quota_")
+        highest = prices.highest_from_json(row.admit_prices)
+        if on_quota is not None:
+            on_quota(quota)
+    else:
+        session = get_session(conn, principal, session_id, for_update=True)
     data = payload.to_json()
     digest = payload_hash(data)
     at = {"session_id": session_id, "seq_id": seq_id}
@@ -220,8 +301,9 @@ def admit(
             f"({session.last_applied_seq}); training operations must use increasing seq_ids"
         )
     request_id = "req-" + uuid.uuid4().hex
-    event = events.append(
+    events.append_then(
         conn,
+        _REQUEST_SQL,
         session_id,
         principal.tenant_id,
         "OperationRequested",
@@ -233,24 +315,17 @@ def admit(
             "payload": data,
         },
         actor=principal.key_id,
-    )
-    conn.execute(
-        operations.insert(),
-        {
+        params={
             "request_id": request_id,
-            "tenant_id": principal.tenant_id,
-            "session_id": session_id,
             "sampler_id": sampler_id,
             "seq_id": seq_id,
-            "type": op_type,
-            "status": OpStatus.PENDING,
+            "op_type": op_type.value,
+            "op_status": OpStatus.PENDING.value,
             "payload_hash": digest,
-            "request_position": event.position,
-            "actor": principal.key_id,
         },
     )
     if metering and not session.is_replay:  # a replay is never billed
-        metering_core.reserve(conn, session, request_id, payload, quota=quota)
+        metering_core.reserve(conn, session, request_id, payload, quota=quota, price=highest)
     return Admission(request_id, session_id, is_new=True)
 
 
@@ -268,13 +343,20 @@ def get_operation(
     return _row(row)
 
 
-def get_operation_with_payload(conn: sa.Connection, request_id: str) -> tuple[OperationRow, Any]:
-    """An operation (unscoped: the platform's own read) and its request's payload, in one
-    query. Raises NotFoundError for an unknown request id."""
-    row = conn.execute(_WITH_PAYLOAD, {"request_id": request_id}).first()
+def session_and_operation(
+    conn: sa.Connection, session_id: str, request_id: str
+) -> tuple[sessions_core.SessionRow, tuple[OperationRow, Any] | None]:
+    """A session (unscoped: the platform's own read) and, if it is the session's, the operation
+    `request_id` with its request's payload, in one query. Raises NotFoundError for an unknown
+    session."""
+    row = conn.execute(_WAKE, {"session_id": session_id, "request_id": request_id}).first()
     if row is None:
-        raise NotFoundError(f"request {request_id} not found")
-    return _row(row), row.request_payload
+        raise NotFoundError(f"model {session_id} not found")
+    session = sessions_core.session_row(row)
+    if row.op_request_id is None:
+        return session, None
+    op = SimpleNamespace(**{k[3:]: v for k, v in row._mapping.items() if k.startswith("op_")})
+    return session, (_row(op), op.request_payload)
 
 
 def training_op_at(conn: sa.Connection, session_id: str, seq_id: int) -> OperationRow | None:
@@ -375,21 +457,27 @@ def settle(
     `state` holds the adapter's state hashes after a state-changing operation. `also` runs inside
     the same transaction when the operation succeeded (e.g. registering the checkpoint it saved).
     """
-    session = hold(conn, op.session_id, worker_id, lease_epoch)
-    # The outcome, only if the operation is still pending (one statement both checks and
-    # writes); everything else below commits with it or not at all.
-    claimed = conn.execute(
+    row = conn.execute(
         _OUTCOME,
         {
+            "outcome_session_id": op.session_id,
+            "outcome_worker_id": worker_id,
+            "outcome_lease_epoch": lease_epoch,
             "outcome_request_id": op.request_id,
+            "outcome_seq_id": op.seq_id,
             "outcome_status": OpStatus.COMPLETED if error is None else OpStatus.FAILED,
             "outcome_result": result,
             "outcome_error": error,
             "outcome_state": None if error is not None or state is None else dict(state),
         },
     ).first()
-    if claimed is None:
+    if row is None:
+        raise NotFoundError(f"model {op.session_id} not found")
+    session = sessions_core.session_row(row)
+    check_holder(session, worker_id, lease_epoch)
+    if row.outcome_claimed is None:
         return Settlement(is_new=False)
+    applied: dict[str, Any] | None = None
     if op.sampler_id is None:
         # Only seq_ids refused at admission may lie between the last applied one and this.
         expected = session.last_applied_seq + 1
@@ -404,19 +492,20 @@ def settle(
                     refused_seqs.c.session_id == op.session_id, refused_seqs.c.seq_id < op.seq_id
                 )
             )
-        conn.execute(_APPLIED, {"session_id": op.session_id, "seq_id": op.seq_id})
+        applied = {**_APPLIED, "applied_seq": op.seq_id}
     data = {"request_id": op.request_id, "seq_id": op.seq_id, "type": op.type, **usage}
     charge = None
     if error is None:
         completed = {**data, "result": result}
         if state is not None:
             completed["state"] = dict(state)
-        events.append(conn, op.session_id, op.tenant_id, "OperationCompleted", completed)
+        _append_outcome(conn, op, "OperationCompleted", completed, applied)
         if also is not None:
             also(conn)
         if metering and not session.is_replay:  # a replay is never billed
             charge = metering_core.charge(
                 conn,
+                price=prices.from_json(row.outcome_prices),
                 request_id=op.request_id,
                 session=session,
                 sampler_id=op.sampler_id,
@@ -425,15 +514,30 @@ def settle(
                 tokens=usage.get("tokens", {}),
             )
     else:
-        events.append(
-            conn, op.session_id, op.tenant_id, "OperationFailed", {**data, "error": error}
-        )
+        _append_outcome(conn, op, "OperationFailed", {**data, "error": error}, applied)
         if metering:
             metering_core.release(conn, [op.request_id])
-    return Settlement(is_new=True, charge=charge)
+    return Settlement(is_new=True, charge=charge, next_pending=row.outcome_next_pending)
 
 
-def _row(row: sa.Row[Any]) -> OperationRow:
+def _append_outcome(
+    conn: sa.Connection,
+    op: OperationRow,
+    type: str,
+    data: Mapping[str, Any],
+    applied: Mapping[str, Any] | None,
+) -> None:
+    """The outcome's event; a training operation's (`applied`) also advances the session's last
+    applied seq_id, in the same statement."""
+    if applied is None:
+        events.append(conn, op.session_id, op.tenant_id, type, data)
+    else:
+        events.append_then(
+            conn, _APPLIED_SQL, op.session_id, op.tenant_id, type, data, params=applied
+        )
+
+
+def _row(row: Any) -> OperationRow:
     return OperationRow(
         request_id=row.request_id,
         tenant_id=row.tenant_id,

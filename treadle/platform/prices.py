@@ -150,6 +150,57 @@ _HIGHEST_FROM_NOW = sa.select(
 ).group_by(_IN_EFFECT_OR_LATER.c.token_class)
 
 
+def _in_effect_of(base_model: sa.ColumnElement[Any]) -> sa.Select[Any]:
+    """The prices in effect now of `base_model`, a column of an enclosing statement."""
+    return (
+        sa.select(prices.c.token_class, prices.c.micro_usd_per_million)
+        .ext(distinct_on(prices.c.token_class))
+        .where(prices.c.base_model == base_model, prices.c.effective_from <= sa.func.now())
+        .order_by(prices.c.token_class, prices.c.effective_from.desc(), prices.c.id.desc())
+        .correlate(base_model.table)  # type: ignore[attr-defined]
+    )
+
+
+def _json_of(rows: sa.Subquery) -> sa.Select[Any]:
+    return sa.select(sa.func.json_object_agg(rows.c.token_class, rows.c.micro_usd_per_million))
+
+
+def in_effect_json(base_model: sa.ColumnElement[Any]) -> sa.ScalarSelect[Any]:
+    """What `in_effect` reads, for `base_model`, a column of the enclosing statement, as one
+    JSON object of micro-USD per million by token class (NULL when there is none): for a
+    statement that reads them along with other things (`from_json` reads it)."""
+    return _json_of(_in_effect_of(base_model).subquery("in_effect")).scalar_subquery()
+
+
+def highest_from_now_json(base_model: sa.ColumnElement[Any]) -> sa.ScalarSelect[Any]:
+    """What `highest_from_now` reads, as `in_effect_json` does (`highest_from_json` reads it)."""
+    later = (
+        sa.select(prices.c.token_class, prices.c.micro_usd_per_million)
+        .where(prices.c.base_model == base_model, prices.c.effective_from > sa.func.now())
+        .correlate(base_model.table)  # type: ignore[attr-defined]
+    )
+    both = sa.union_all(_in_effect_of(base_model).subquery().select(), later).subquery("both")
+    highest = (
+        sa.select(
+            both.c.token_class,
+            sa.func.max(both.c.micro_usd_per_million).label("micro_usd_per_million"),
+        )
+        .group_by(both.c.token_class)
+        .subquery("highest")
+    )
+    return _json_of(highest).scalar_subquery()
+
+
+def from_json(found: dict[str, int | None] | None) -> dict[str, int | None]:
+    """`in_effect_json`'s object as `in_effect` answers."""
+    return {c: (found or {}).get(c) for c in TOKEN_CLASSES}
+
+
+def highest_from_json(found: dict[str, int | None] | None) -> dict[str, int]:
+    """`highest_from_now_json`'s object as `highest_from_now` answers."""
+    return {c: (found or {}).get(c) or 0 for c in TOKEN_CLASSES}
+
+
 def in_effect(conn: sa.Connection, base_model: str) -> dict[str, int | None]:
     """Each token class's price (micro-USD per million) in effect now; None when unpriced."""
     rows = conn.execute(_IN_EFFECT, {"base_model": base_model}).all()

@@ -58,9 +58,13 @@ _GET_QUOTA = sa.select(quotas).where(quotas.c.tenant_id == sa.bindparam("tenant_
 
 def get_quota(conn: sa.Connection, tenant_id: str) -> Quota:
     row = conn.execute(_GET_QUOTA, {"tenant_id": tenant_id}).first()
-    if row is None:
-        return Quota()
-    return Quota(**{f.name: getattr(row, f.name) for f in fields(Quota)})
+    return Quota() if row is None else quota_from_row(row)
+
+
+def quota_from_row(row: sa.Row[Any], *, prefix: str = "") -> Quota:
+    """A quota from a row of the `quotas` table's columns (named `prefix` + column; all NULL:
+    the tenant has none, no limit)."""
+    return Quota(**{f.name: getattr(row, prefix + f.name) for f in fields(Quota)})
 
 
 def set_quota(conn: sa.Connection, principal: Principal, tenant_id: str, quota: Quota) -> Quota:

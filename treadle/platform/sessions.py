@@ -242,10 +242,11 @@ def get_session(
     row = conn.execute(_GET_SESSION[principal is not None, for_update], params).first()
     if row is None:
         raise NotFoundError(f"model {session_id} not found")
-    return _session_row(row)
+    return session_row(row)
 
 
-def _session_row(row: sa.Row[Any]) -> SessionRow:
+def session_row(row: sa.Row[Any]) -> SessionRow:
+    """A session from a row holding the `sessions` table's columns (among others)."""
     return SessionRow(
         id=row.id,
         tenant_id=row.tenant_id,
@@ -282,7 +283,7 @@ def list_sessions(
         .limit(limit)
         .offset(offset)
     )
-    return [_session_row(r) for r in rows], int(total)
+    return [session_row(r) for r in rows], int(total)
 
 
 def create_sampler(
