@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
@@ -129,3 +131,54 @@ def test_settlement_is_fenced_advances_the_session_and_says_what_is_pending_afte
     assert found is not None and found[0].result == {"ok": 1}
     assert found[1]["data"][0]["tokens"] == [5, 6]
     assert woken.id == session_id
+
+
+_RESERVED = sa.text("SELECT count(*) FROM reservations WHERE request_id = :r")
+
+
+def test_a_metered_operation_takes_four_statements_to_admit_one_to_wake_and_four_to_settle(
+    quiet_engine: sa.Engine, session_id: str
+) -> None:
+    """What docs/design.md ("Round trips") says each step of an operation sends to PostgreSQL,
+    besides BEGIN and COMMIT."""
+    principal = tenants.Principal("key-unit", "unit", "admin")
+    with quiet_engine.begin() as conn:
+        leases.heartbeat_worker(conn, "w-unit", {})
+        assert leases.lease_session(conn, session_id, "w-unit", only_if_unleased=True)
+
+    def statements(work: Any) -> tuple[Any, list[str]]:
+        sent: list[str] = []
+        with quiet_engine.begin() as conn:
+            sa.event.listen(conn, "before_cursor_execute", lambda *a: sent.append(a[2]))
+            return work(conn), sent
+
+    admission, admitting = statements(
+        lambda conn: operations.admit(conn, principal, session_id, 0, _forward())
+    )
+    (session, found), waking = statements(
+        lambda conn: operations.session_and_operation(conn, session_id, admission.request_id)
+    )
+    assert found is not None
+    held, _ = statements(lambda conn: conn.execute(_RESERVED, {"r": admission.request_id}).scalar())
+    settlement, settling = statements(
+        lambda conn: operations.settle(
+            conn,
+            found[0],
+            worker_id="w-unit",
+            lease_epoch=session.lease_epoch,
+            result={"ok": 0},
+            error=None,
+            usage={"tokens": {"prefill": 2}},
+        )  # fmt: skip
+    )
+    assert (len(admitting), len(waking), len(settling)) == (4, 1, 4), (admitting, settling)
+    assert settlement.is_new and settlement.next_pending is None
+    assert settlement.charge is not None and settlement.charge.tokens["prefill"] == 2
+    with quiet_engine.connect() as conn:
+        assert sessions.get_session(conn, None, session_id).last_applied_seq == 0
+        reserved = conn.execute(_RESERVED, {"r": admission.request_id}).scalar()
+        used = conn.execute(
+            sa.text("SELECT prefill_tokens FROM usage WHERE request_id = :r"),
+            {"r": admission.request_id},
+        ).scalar()
+    assert (held, reserved, used) == (1, 0, 2)  # reserved at admission, released by the charge

@@ -180,21 +180,19 @@ def reserve(
     request_id: str,
     payload: Payload,
     *,
-    quota: quotas.Quota | None = None,
-    price: Mapping[str, int] | None = None,
+    quota: quotas.Quota,
+    price: Mapping[str, int],
 ) -> None:
     """Hold the operation's most possible cost, or refuse it (402 over a budget or the session's
-    cap, 413 over the largest-request quota). The caller holds the session row's lock; `quota`
-    is the tenant's and `price` the base model's highest from now on (`prices.highest_from_now`)
-    if the caller read them already in this transaction.
+    cap, 413 over the largest-request quota). The caller holds the session row's lock and read,
+    in this transaction, the tenant's `quota` and the base model's highest `price` from now on
+    (`prices.highest_from_now`).
 
     The cost is added to the month's reservations before the budgets are checked (one statement
     locks the row and adds it): a refusal leaves that write in the caller's transaction, which
     the error ends without commit, as it does the request's event.
     """
     tokens = estimate(payload)
-    if quota is None:
-        quota = quotas.get_quota(conn, session.tenant_id)
     if quota.max_request_tokens is not None and tokens.total > quota.max_request_tokens:
         raise RequestTooLargeError(
             f"this request may process {tokens.total} tokens; tenant {session.tenant_id}'s "
@@ -206,8 +204,6 @@ def reserve(
         )
     if tokens.total == 0:
         return
-    if price is None:
-        price = prices.highest_from_now(conn, session.base_model)
     micro = sum(prices.cost_micro_usd(n, price[c]) for c, n in tokens.by_class().items())
     spent = conn.execute(
         _RESERVED,

@@ -19,7 +19,6 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
@@ -248,7 +247,7 @@ def admit(
     op_type = payload.TYPE
     if seq_id < 0:
         raise ValidationError(f"seq_id must be >= 0, got {seq_id}")
-    quota, highest = None, None
+    metered: tuple[Quota, dict[str, int]] | None = None  # the quota and prices, with metering
     if metering:
         row = conn.execute(
             _ADMITTING, {"session_id": session_id, "tenant_id": principal.tenant_id}
@@ -256,10 +255,9 @@ def admit(
         if row is None:
             raise NotFoundError(f"model {session_id} not found")
         session = sessions_core.session_row(row)
-        quota = quota_from_row(row, prefix="quota_")
-        highest = prices.highest_from_json(row.admit_prices)
+        metered = quota_from_row(row, prefix="quota_"), prices.highest_from_json(row.admit_prices)
         if on_quota is not None:
-            on_quota(quota)
+            on_quota(metered[0])
     else:
         session = get_session(conn, principal, session_id, for_update=True)
     data = payload.to_json()
@@ -324,7 +322,8 @@ def admit(
             "payload_hash": digest,
         },
     )
-    if metering and not session.is_replay:  # a replay is never billed
+    if metered is not None and not session.is_replay:  # a replay is never billed
+        quota, highest = metered
         metering_core.reserve(conn, session, request_id, payload, quota=quota, price=highest)
     return Admission(request_id, session_id, is_new=True)
 
@@ -355,8 +354,7 @@ def session_and_operation(
     session = sessions_core.session_row(row)
     if row.op_request_id is None:
         return session, None
-    op = SimpleNamespace(**{k[3:]: v for k, v in row._mapping.items() if k.startswith("op_")})
-    return session, (_row(op), op.request_payload)
+    return session, (_row(row, prefix="op_"), row.op_request_payload)
 
 
 def training_op_at(conn: sa.Connection, session_id: str, seq_id: int) -> OperationRow | None:
@@ -537,21 +535,26 @@ def _append_outcome(
         )
 
 
-def _row(row: Any) -> OperationRow:
+def _row(row: sa.Row[Any], *, prefix: str = "") -> OperationRow:
+    """An operation from a row of the `operations` table's columns (named `prefix` + column)."""
+
+    def col(name: str) -> Any:
+        return getattr(row, prefix + name)
+
     return OperationRow(
-        request_id=row.request_id,
-        tenant_id=row.tenant_id,
-        session_id=row.session_id,
-        sampler_id=row.sampler_id,
-        seq_id=row.seq_id,
-        type=OpType(row.type),
-        status=OpStatus(row.status),
-        request_position=row.request_position,
-        result=row.result,
-        error=row.error,
-        state=row.state,
-        actor=row.actor,
-        requested_at=row.created_at,
+        request_id=col("request_id"),
+        tenant_id=col("tenant_id"),
+        session_id=col("session_id"),
+        sampler_id=col("sampler_id"),
+        seq_id=col("seq_id"),
+        type=OpType(col("type")),
+        status=OpStatus(col("status")),
+        request_position=col("request_position"),
+        result=col("result"),
+        error=col("error"),
+        state=col("state"),
+        actor=col("actor"),
+        requested_at=col("created_at"),
     )
 
 

@@ -130,56 +130,43 @@ def set_price(
     return Price(base_model, token_class, micro, when, principal.key_id)
 
 
-# Built once, with the base model bound at execution: prices are read in every admission and
-# every settlement.
-_IN_EFFECT = (
-    sa.select(prices.c.token_class, prices.c.micro_usd_per_million)
-    .ext(distinct_on(prices.c.token_class))
-    .where(
-        prices.c.base_model == sa.bindparam("base_model"),
-        prices.c.effective_from <= sa.func.now(),
-    )
-    .order_by(prices.c.token_class, prices.c.effective_from.desc(), prices.c.id.desc())
-)
-_LATER = sa.select(prices.c.token_class, prices.c.micro_usd_per_million).where(
-    prices.c.base_model == sa.bindparam("base_model"), prices.c.effective_from > sa.func.now()
-)
-_IN_EFFECT_OR_LATER = sa.union_all(_IN_EFFECT.subquery().select(), _LATER).subquery()
-_HIGHEST_FROM_NOW = sa.select(
-    _IN_EFFECT_OR_LATER.c.token_class, sa.func.max(_IN_EFFECT_OR_LATER.c.micro_usd_per_million)
-).group_by(_IN_EFFECT_OR_LATER.c.token_class)
+# Each read is one statement answering one JSON object (micro-USD per million by token class),
+# built for a base model that is either bound at execution (`in_effect`, `highest_from_now`) or
+# a column of an enclosing statement that reads the prices along with other things (the
+# admission's first read, the settlement's first statement).
 
 
-def _in_effect_of(base_model: sa.ColumnElement[Any]) -> sa.Select[Any]:
-    """The prices in effect now of `base_model`, a column of an enclosing statement."""
+def _in_effect_rows(base_model: sa.ColumnElement[Any]) -> sa.Select[Any]:
     return (
         sa.select(prices.c.token_class, prices.c.micro_usd_per_million)
         .ext(distinct_on(prices.c.token_class))
         .where(prices.c.base_model == base_model, prices.c.effective_from <= sa.func.now())
         .order_by(prices.c.token_class, prices.c.effective_from.desc(), prices.c.id.desc())
-        .correlate(base_model.table)  # type: ignore[attr-defined]
+        .correlate_except(prices)
     )
 
 
-def _json_of(rows: sa.Subquery) -> sa.Select[Any]:
-    return sa.select(sa.func.json_object_agg(rows.c.token_class, rows.c.micro_usd_per_million))
+def _as_json(rows: sa.Subquery) -> sa.ScalarSelect[Any]:
+    return sa.select(
+        sa.func.json_object_agg(rows.c.token_class, rows.c.micro_usd_per_million)
+    ).scalar_subquery()
 
 
 def in_effect_json(base_model: sa.ColumnElement[Any]) -> sa.ScalarSelect[Any]:
-    """What `in_effect` reads, for `base_model`, a column of the enclosing statement, as one
-    JSON object of micro-USD per million by token class (NULL when there is none): for a
-    statement that reads them along with other things (`from_json` reads it)."""
-    return _json_of(_in_effect_of(base_model).subquery("in_effect")).scalar_subquery()
+    """The prices in effect now of `base_model` (NULL when there is none; `from_json` reads
+    it)."""
+    return _as_json(_in_effect_rows(base_model).subquery("in_effect"))
 
 
 def highest_from_now_json(base_model: sa.ColumnElement[Any]) -> sa.ScalarSelect[Any]:
-    """What `highest_from_now` reads, as `in_effect_json` does (`highest_from_json` reads it)."""
+    """Per class, the highest price of `base_model` in effect now or scheduled later (NULL when
+    there is none; `highest_from_json` reads it)."""
     later = (
         sa.select(prices.c.token_class, prices.c.micro_usd_per_million)
         .where(prices.c.base_model == base_model, prices.c.effective_from > sa.func.now())
-        .correlate(base_model.table)  # type: ignore[attr-defined]
+        .correlate_except(prices)
     )
-    both = sa.union_all(_in_effect_of(base_model).subquery().select(), later).subquery("both")
+    both = sa.union_all(_in_effect_rows(base_model).subquery().select(), later).subquery("both")
     highest = (
         sa.select(
             both.c.token_class,
@@ -188,7 +175,11 @@ def highest_from_now_json(base_model: sa.ColumnElement[Any]) -> sa.ScalarSelect[
         .group_by(both.c.token_class)
         .subquery("highest")
     )
-    return _json_of(highest).scalar_subquery()
+    return _as_json(highest)
+
+
+_IN_EFFECT = sa.select(in_effect_json(sa.bindparam("base_model")))
+_HIGHEST_FROM_NOW = sa.select(highest_from_now_json(sa.bindparam("base_model")))
 
 
 def from_json(found: dict[str, int | None] | None) -> dict[str, int | None]:
@@ -203,17 +194,14 @@ def highest_from_json(found: dict[str, int | None] | None) -> dict[str, int]:
 
 def in_effect(conn: sa.Connection, base_model: str) -> dict[str, int | None]:
     """Each token class's price (micro-USD per million) in effect now; None when unpriced."""
-    rows = conn.execute(_IN_EFFECT, {"base_model": base_model}).all()
-    found = {r.token_class: r.micro_usd_per_million for r in rows}
-    return {c: found.get(c) for c in TOKEN_CLASSES}
+    return from_json(conn.execute(_IN_EFFECT, {"base_model": base_model}).scalar())
 
 
 def highest_from_now(conn: sa.Connection, base_model: str) -> dict[str, int]:
     """Per class, the highest price in effect now or scheduled later: what an admitted operation
     is reserved at, so a price that takes effect before it completes cannot push it past a
     budget. One query."""
-    highest = dict(conn.execute(_HIGHEST_FROM_NOW, {"base_model": base_model}).all())
-    return {c: highest.get(c) or 0 for c in TOKEN_CLASSES}
+    return highest_from_json(conn.execute(_HIGHEST_FROM_NOW, {"base_model": base_model}).scalar())
 
 
 def list_prices(conn: sa.Connection, base_model: str | None = None) -> list[Price]:
