@@ -71,6 +71,96 @@ def test_a_notice_ends_a_long_poll_at_once(stack: Stack) -> None:
         client.close()
 
 
+class _Checks:
+    """A waiter's `check`: counts its calls, answers "done" once `done` is set."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.done = threading.Event()
+
+    def __call__(self) -> str | None:
+        self.calls += 1
+        return "done" if self.done.is_set() else None
+
+
+def _noticed(client: redis.Redis, checks: _Checks, request_id: str) -> None:
+    """Settle `request_id` (its check answers "done") and publish its notice."""
+    checks.done.set()
+    assert notify.publish_done(client, request_id)
+
+
+def test_a_request_admitted_here_is_waited_on_without_a_first_check(stack: Stack) -> None:
+    client = redis.Redis.from_url(stack.redis_url)
+    hub = notify.NoticeHub(client, recheck_seconds=60).start()
+    try:
+        _wait(lambda: hub.is_subscribed, 5, "the hub to subscribe")
+        hub.expect("req-3", "tenant-a")
+        ours, theirs = _Checks(), _Checks()
+        waits = [
+            _in_thread(lambda: hub.wait_until("req-3", ours, 30, tenant_id="tenant-a")),
+            # another tenant's poll of the same id reads the database first (its 404)
+            _in_thread(lambda: hub.wait_until("req-3", theirs, 30, tenant_id="tenant-b")),
+        ]
+        _wait(lambda: hub.waiting == 2, 5, "the waiters to register")
+        _wait(lambda: theirs.calls == 1, 5, "the other tenant's first check")
+        assert ours.calls == 0
+        ours.done.set()
+        _noticed(client, theirs, "req-3")
+        for thread, _ in waits:
+            thread.join(5)
+        assert [out for _, out in waits] == [["done"], ["done"]]
+        assert (ours.calls, theirs.calls) == (1, 2)
+        # Noticed: a later poll reads the database at once.
+        again = _Checks()
+        again.done.set()
+        assert hub.wait_until("req-3", again, 30, tenant_id="tenant-a") == "done"
+        assert again.calls == 1
+    finally:
+        hub.close()
+        client.close()
+
+
+def test_a_notice_before_the_poll_leaves_the_first_check_in(stack: Stack) -> None:
+    client = redis.Redis.from_url(stack.redis_url)
+    hub = notify.NoticeHub(client, recheck_seconds=60).start()
+    spy = redis.Redis.from_url(stack.redis_url).pubsub()
+    try:
+        _wait(lambda: hub.is_subscribed, 5, "the hub to subscribe")
+        hub.expect("req-4", "tenant-a")
+        spy.subscribe(notify.channel("req-4"))
+        checks = _Checks()
+        _noticed(client, checks, "req-4")  # settled before its first poll
+        _wait(lambda: spy.get_message(timeout=0.1, ignore_subscribe_messages=True) is not None,
+              5, "the notice to go out")  # fmt: skip
+        time.sleep(0.2)  # and the hub to take it
+        started = time.monotonic()
+        assert hub.wait_until("req-4", checks, 30, tenant_id="tenant-a") == "done"
+        assert checks.calls == 1 and time.monotonic() - started < 1.0
+    finally:
+        spy.close()
+        hub.close()
+        client.close()
+
+
+def test_a_lost_subscription_forgets_what_was_expected(stack: Stack) -> None:
+    client = redis.Redis.from_url(stack.redis_url)
+    hub = notify.NoticeHub(client, recheck_seconds=60, poll_seconds=0.5).start()
+    try:
+        _wait(lambda: hub.is_subscribed, 5, "the hub to subscribe")
+        hub.expect("req-5", "tenant-a")
+        checks = _Checks()
+        checks.done.set()  # settled while Redis was down: its notice never went out
+        with stack.down(stack.redis):
+            _wait(lambda: not hub.is_subscribed, 5, "the hub to notice Redis is down")
+        _wait(lambda: hub.is_subscribed, 10, "the hub to subscribe again after Redis restarted")
+        started = time.monotonic()
+        assert hub.wait_until("req-5", checks, 30, tenant_id="tenant-a") == "done"
+        assert checks.calls == 1 and time.monotonic() - started < 1.0
+    finally:
+        hub.close()
+        client.close()
+
+
 def test_a_long_poll_polls_the_database_while_redis_is_down(stack: Stack) -> None:
     client = redis.Redis.from_url(stack.redis_url)
     hub = notify.NoticeHub(client, recheck_seconds=60, poll_seconds=0.5).start()
@@ -122,6 +212,36 @@ def test_waiting_long_polls_share_one_subscription_and_hold_no_database_connecti
     assert len(subscriptions) == 1, subscriptions
     failed = {"error": f"model {model_id} was stopped", "category": "user"}
     assert [out for _, out in polls] == [[failed]] * 30
+
+
+def test_the_first_poll_of_a_request_admitted_here_reads_the_database_only_after_its_notice(
+    stack: Stack, make_app: Callable[..., Flask]
+) -> None:
+    app = make_app(long_poll_seconds=30.0)
+    svc: Services = app.extensions["treadle"]
+    client = app.test_client()
+    session_id = post(client, "create_session", {"tags": []})["session_id"]
+    model_id = create_model(client, session_id)["model_id"]
+    _wait(lambda: svc.notices.is_subscribed, 5, "the hub to subscribe")
+    pending = post(client, "optim_step", {"model_id": model_id, "seq_id": 5})["request_id"]
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    sa.event.listen(svc.db, "before_cursor_execute", count)
+    try:
+        thread, out = _in_thread(
+            lambda: post(app.test_client(), "retrieve_future", {"request_id": pending})
+        )
+        _wait(lambda: svc.notices.waiting == 1, 5, "the long-poll to wait")
+        time.sleep(0.3)
+        assert statements == []  # admitted here, not noticed yet: pending, nothing to read
+    finally:
+        sa.event.remove(svc.db, "before_cursor_execute", count)
+    post(client, f"treadle/sessions/{model_id}/stop", {})  # fails it, and its notice goes out
+    thread.join(10)
+    assert out == [{"error": f"model {model_id} was stopped", "category": "user"}]
 
 
 # --- the real SDK -----------------------------------------------------------------------------

@@ -50,16 +50,25 @@ def submit(
     with_request: Callable[[sa.Connection], None] | None = None,
     on_admitted: Callable[[operations.Admission], None] | None = None,
 ) -> operations.Admission:
-    """Submit the caller's operation (see `commands.submit`)."""
+    """Submit the caller's operation (see `commands.submit`). This process's notice hub
+    expects a new request's notice from before it commits, so the caller's first long-poll of
+    it does not read the database only to find it pending (`NoticeHub.expect`)."""
+    svc, who = services(), principal()
+
+    def admitted(admission: operations.Admission) -> None:
+        svc.notices.expect(admission.request_id, who.tenant_id)
+        if on_admitted is not None:
+            on_admitted(admission)
+
     admission = commands.submit(
-        services().deps,
-        principal(),
+        svc.deps,
+        who,
         session_id,
         seq_id,
         payload,
         sampler_id=sampler_id,
         with_request=with_request,
-        on_admitted=on_admitted,
+        on_admitted=admitted,
     )
     g.pop("training_seq", None)  # admitted: not a refusal, whatever happens next
     return admission

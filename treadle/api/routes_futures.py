@@ -47,7 +47,9 @@ def retrieve_future() -> Any:
             op = operations.get_operation(conn, who, body.request_id)
         return op if op.is_done else None
 
-    op = svc.notices.wait_until(body.request_id, check, svc.config.long_poll_seconds)
+    op = svc.notices.wait_until(
+        body.request_id, check, svc.config.long_poll_seconds, tenant_id=who.tenant_id
+    )
     if op is None:  # still running: 408, the SDK's quiet "poll again" (module docstring)
         response = jsonify(type="try_again", request_id=body.request_id, queue_state="active")
         response.status_code = STILL_RUNNING

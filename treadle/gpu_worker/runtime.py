@@ -194,6 +194,13 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
     # Celery prints its banner straight to stdout, past logging: left out of a JSON log (its
     # connection and readiness are records of their own).
     quiet = ["--quiet"] if config.log_format == "json" else []
+    # Celery writes a line for every task it receives and every one that succeeds: two per
+    # operation (its wake-up), on the operation's path, saying less than the operation's own
+    # record (platform/oplog). Below DEBUG they are left out; a task that fails is still logged,
+    # at ERROR.
+    if logging.getLevelName(loglevel.upper()) != logging.DEBUG:
+        for name in ("celery.worker.strategy", "celery.app.trace"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         app.worker_main(
             [

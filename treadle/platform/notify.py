@@ -4,16 +4,20 @@ A worker (or a route that fails operations) publishes after its transaction comm
 process holds ONE pattern subscription, in a `NoticeHub`, and hands notices to the requests
 waiting on them, so no number of waiting clients takes more than one Redis connection. The
 database is the truth and a notice only an optimisation: a waiter re-checks the database every
-second or two, so it keeps working, by polling alone, while Redis is down.
+second or two, so it keeps working, by polling alone, while Redis is down. A request this
+process admitted is known to be pending until its notice arrives, so its waiters skip the
+database check they would otherwise start with.
 Imports nothing from api, gpu_worker or torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -26,6 +30,9 @@ T = TypeVar("T")
 PREFIX = "treadle:done:"
 PATTERN = PREFIX + "*"
 FIRST_BACKOFF_SECONDS = 0.25
+# Requests admitted here and not yet noticed that a hub remembers (the oldest are forgotten:
+# their waiters check the database first, as for a request admitted elsewhere).
+MAX_EXPECTED = 65_536
 
 # Redis failures that mean "unreachable right now", as opposed to a bug.
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -72,10 +79,17 @@ class NoticeHub:
         self._stopped = threading.Event()
         self._subscribed = threading.Event()
         self._thread: threading.Thread | None = None
+        # The subscription Redis has confirmed and that is still live (None: none is), and the
+        # requests admitted here under it whose notice has not arrived: request id -> (tenant
+        # id, subscription). Guarded by _lock.
+        self._subscriptions = itertools.count(1)
+        self._confirmed: int | None = None
+        self._expected: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     @property
     def is_subscribed(self) -> bool:
-        """Whether notices are arriving now (False while Redis is unreachable)."""
+        """Whether notices are arriving now: Redis confirmed the subscription, and it has not
+        failed since (False while Redis is unreachable)."""
         return self._subscribed.is_set()
 
     @property
@@ -96,24 +110,50 @@ class NoticeHub:
             self._thread.join(timeout)
             self._thread = None
 
+    def expect(self, request_id: str, tenant_id: str) -> None:
+        """Note that this process is admitting `request_id` for `tenant_id`: call it before the
+        admission commits, so before any worker can settle it. Until its notice arrives, a
+        waiter of the same tenant skips the first `check` (the request is pending: nothing to
+        read yet), provided the subscription confirmed now is still live. A request the
+        transaction then does not commit is never waited on: its id reached no one."""
+        with self._lock:
+            if self._confirmed is None:
+                return
+            self._expected[request_id] = (tenant_id, self._confirmed)
+            if len(self._expected) > MAX_EXPECTED:
+                self._expected.popitem(last=False)
+
     def wait_until(
-        self, request_id: str, check: Callable[[], T | None], timeout: float
+        self,
+        request_id: str,
+        check: Callable[[], T | None],
+        timeout: float,
+        *,
+        tenant_id: str | None = None,
     ) -> T | None:
         """Return `check()` once it is not None, or None after `timeout` seconds.
 
         `check` reads the database; it runs first once registered for the notice (so a notice
         sent meanwhile is not missed), then on every notice and at least every `recheck_seconds`
-        (every `poll_seconds` while no notice can arrive).
+        (every `poll_seconds` while no notice can arrive). The first check is skipped when
+        `tenant_id` admitted the request here and its notice has not arrived (`expect`).
         """
         deadline = time.monotonic() + timeout
         event = threading.Event()
         self._register(request_id, event)
         try:
+            # Registered first: a notice arriving from here on sets the event, which is not
+            # cleared before the first wait.
+            pending = tenant_id is not None and self._is_expected(request_id, tenant_id)
             while True:
-                event.clear()  # before the check: a notice arriving after it wakes the wait
-                value = check()
-                if value is not None:
-                    return value
+                if pending:
+                    pending = False
+                else:
+                    event.clear()  # before the check: a notice arriving after it wakes the wait
+                    value = check()
+                    if value is not None:
+                        self._forget(request_id)  # done: a later wait reads it at once
+                        return value
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
@@ -145,17 +185,25 @@ class NoticeHub:
             self._stopped.wait(backoff)
 
     def _listen(self) -> None:
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        pubsub = self._client.pubsub()
         try:
             pubsub.psubscribe(PATTERN)
             while not self._stopped.is_set():
                 message = pubsub.get_message(timeout=0.25)
-                if not self._subscribed.is_set():
-                    log.info("completion notices subscribed")
-                    self._subscribed.set()
-                if message is not None and message.get("type") == "pmessage":
+                if message is None:
+                    continue
+                if message.get("type") == "pmessage":
                     self._dispatch(message["channel"])
+                elif message.get("type") == "psubscribe":  # confirmed: later notices come here
+                    with self._lock:
+                        self._confirmed = next(self._subscriptions)
+                    if not self._subscribed.is_set():
+                        log.info("completion notices subscribed")
+                        self._subscribed.set()
         finally:
+            with self._lock:  # notices sent from now on may be missed: forget what was expected
+                self._confirmed = None
+                self._expected.clear()
             with contextlib.suppress(Exception):
                 pubsub.close()
 
@@ -164,9 +212,19 @@ class NoticeHub:
             name = name.decode("utf-8", "replace")
         request_id = name.removeprefix(PREFIX)
         with self._lock:
+            self._expected.pop(request_id, None)
             events = list(self._waiters.get(request_id, ()))
         for event in events:
             event.set()
+
+    def _is_expected(self, request_id: str, tenant_id: str) -> bool:
+        with self._lock:
+            noted = self._expected.get(request_id)
+            return noted is not None and noted == (tenant_id, self._confirmed)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._expected.pop(request_id, None)
 
     def _register(self, request_id: str, event: threading.Event) -> None:
         with self._lock:
