@@ -44,3 +44,56 @@ def test_named_digest_covers_names_shapes_and_missing_tensors() -> None:
     assert fingerprint.of([("a", x.reshape(6, 4)), ("b", None)]) != base
     assert fingerprint.of([("a", x), ("b", torch.zeros(1))]) != base
     assert base.startswith(fingerprint.VERSION + ":")
+
+
+def test_fingerprints_never_change() -> None:
+    # Logged with every state-changing operation and checked on replay: pinned values.
+    g = torch.Generator().manual_seed(12)
+    named: list[tuple[str, torch.Tensor | None]] = [
+        (f"t{i}", torch.randn(n, generator=g)) for i, n in enumerate([3, 256, 512, 1024, 70_000])
+    ]
+    named.append(("none", None))
+    named.append(("half", torch.randn(40, generator=g).to(torch.bfloat16)))
+    named.append(("half2", torch.randn(30, generator=g).to(torch.bfloat16)))
+    named.append(("ints", torch.arange(-50, 50, dtype=torch.int64)))
+    assert [fingerprint.tensor_fingerprint(t) for _, t in named if t is not None] == [
+        230513470141685030,
+        5433041930328390075,
+        5367503012211743700,
+        7673837800848750152,
+        -5296909200715590729,
+        6249288785088647057,
+        6634736282400627205,
+        2986473558754104170,
+    ]
+    assert fingerprint.of(named) == "fp1:c6b9e9cbac83d3b7c5d99b68eb7d643c"
+
+
+def test_small_tensors_fingerprinted_together_equal_one_by_one() -> None:
+    g = torch.Generator().manual_seed(3)
+    groups = [
+        [torch.randn(n, generator=g) for n in (1, 7, 256, 512, 1000, 16_384)],
+        [torch.randn(5, 9, generator=g).T, torch.randn(3, 4, generator=g)[:, ::2]],  # strided
+        [torch.randn(4, 8, generator=g, requires_grad=True) for _ in range(3)],
+        [torch.randn(n, generator=g).to(torch.bfloat16) for n in (2, 33, 600)],
+        [torch.randint(-(2**62), 2**62, (n,), generator=g) for n in (1, 10, 300)],
+        [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in (5, 6)],
+    ]
+    for tensors in groups:
+        assert fingerprint.fingerprints_together(tensors) == [
+            fingerprint.tensor_fingerprint(t) for t in tensors
+        ]
+
+
+def test_fingerprinting_leaves_the_tensor_as_it_was() -> None:
+    for tensor in (
+        torch.arange(-50, 50, dtype=torch.int64),
+        torch.randn(300, dtype=torch.float64),
+        torch.randn(300),
+    ):
+        before = tensor.clone()
+        first = fingerprint.tensor_fingerprint(tensor)
+        assert torch.equal(tensor, before)
+        assert fingerprint.tensor_fingerprint(tensor) == first
+        assert fingerprint.of([("x", tensor), ("y", tensor)]).startswith(fingerprint.VERSION)
+        assert torch.equal(tensor, before)
