@@ -182,16 +182,24 @@ def test_a_long_poll_polls_the_database_while_redis_is_down(stack: Stack) -> Non
         client.close()
 
 
-def test_waiting_long_polls_share_one_subscription_and_hold_no_database_connection(
-    stack: Stack, make_app: Callable[..., Flask]
-) -> None:
+def _a_pending_operation(make_app: Callable[..., Flask]) -> tuple[Flask, Services, str, str]:
+    """An app (30 s long-polls) with its hub subscribed, a model of it and the id of an operation
+    admitted through it that no worker runs (its seq_id 5 waits for 0-4)."""
     app = make_app(long_poll_seconds=30.0)
     svc: Services = app.extensions["treadle"]
     client = app.test_client()
     session_id = post(client, "create_session", {"tags": []})["session_id"]
     model_id = create_model(client, session_id)["model_id"]
-    pending = post(client, "optim_step", {"model_id": model_id, "seq_id": 5})["request_id"]
     _wait(lambda: svc.notices.is_subscribed, 5, "the hub to subscribe")
+    pending = post(client, "optim_step", {"model_id": model_id, "seq_id": 5})["request_id"]
+    return app, svc, model_id, pending
+
+
+def test_waiting_long_polls_share_one_subscription_and_hold_no_database_connection(
+    stack: Stack, make_app: Callable[..., Flask]
+) -> None:
+    app, svc, model_id, pending = _a_pending_operation(make_app)
+    client = app.test_client()
     polls = [
         _in_thread(lambda: post(app.test_client(), "retrieve_future", {"request_id": pending}))
         for _ in range(30)
@@ -217,13 +225,8 @@ def test_waiting_long_polls_share_one_subscription_and_hold_no_database_connecti
 def test_the_first_poll_of_a_request_admitted_here_reads_the_database_only_after_its_notice(
     stack: Stack, make_app: Callable[..., Flask]
 ) -> None:
-    app = make_app(long_poll_seconds=30.0)
-    svc: Services = app.extensions["treadle"]
+    app, svc, model_id, pending = _a_pending_operation(make_app)
     client = app.test_client()
-    session_id = post(client, "create_session", {"tags": []})["session_id"]
-    model_id = create_model(client, session_id)["model_id"]
-    _wait(lambda: svc.notices.is_subscribed, 5, "the hub to subscribe")
-    pending = post(client, "optim_step", {"model_id": model_id, "seq_id": 5})["request_id"]
     statements: list[str] = []
 
     def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
