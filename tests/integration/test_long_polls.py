@@ -5,10 +5,11 @@ while PostgreSQL is down, and 150 long-polls of one tenant cost another tenant n
 from __future__ import annotations
 
 import collections
+import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -51,12 +52,24 @@ def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_a_notice_ends_a_long_poll_at_once(stack: Stack) -> None:
+@contextlib.contextmanager
+def _subscribed_hub(
+    stack: Stack, **options: float
+) -> Iterator[tuple[redis.Redis, notify.NoticeHub]]:
+    """A client of the stack's Redis and a hub on it (`options`: its intervals), subscribed."""
     client = redis.Redis.from_url(stack.redis_url)
-    hub = notify.NoticeHub(client, recheck_seconds=60).start()
-    done = threading.Event()
+    hub = notify.NoticeHub(client, **options).start()
     try:
         _wait(lambda: hub.is_subscribed, 5, "the hub to subscribe")
+        yield client, hub
+    finally:
+        hub.close()
+        client.close()
+
+
+def test_a_notice_ends_a_long_poll_at_once(stack: Stack) -> None:
+    done = threading.Event()
+    with _subscribed_hub(stack, recheck_seconds=60) as (client, hub):
         thread, out = _in_thread(
             lambda: hub.wait_until("req-1", lambda: "done" if done.is_set() else None, 30)
         )
@@ -66,9 +79,6 @@ def test_a_notice_ends_a_long_poll_at_once(stack: Stack) -> None:
         assert notify.publish_done(client, "req-1")
         thread.join(5)
         assert out == ["done"] and time.monotonic() - published < 1.0
-    finally:
-        hub.close()
-        client.close()
 
 
 class _Checks:
@@ -90,10 +100,7 @@ def _noticed(client: redis.Redis, checks: _Checks, request_id: str) -> None:
 
 
 def test_a_request_admitted_here_is_waited_on_without_a_first_check(stack: Stack) -> None:
-    client = redis.Redis.from_url(stack.redis_url)
-    hub = notify.NoticeHub(client, recheck_seconds=60).start()
-    try:
-        _wait(lambda: hub.is_subscribed, 5, "the hub to subscribe")
+    with _subscribed_hub(stack, recheck_seconds=60) as (client, hub):
         hub.expect("req-3", "tenant-a")
         ours, theirs = _Checks(), _Checks()
         waits = [
@@ -115,17 +122,11 @@ def test_a_request_admitted_here_is_waited_on_without_a_first_check(stack: Stack
         again.done.set()
         assert hub.wait_until("req-3", again, 30, tenant_id="tenant-a") == "done"
         assert again.calls == 1
-    finally:
-        hub.close()
-        client.close()
 
 
 def test_a_notice_before_the_poll_leaves_the_first_check_in(stack: Stack) -> None:
-    client = redis.Redis.from_url(stack.redis_url)
-    hub = notify.NoticeHub(client, recheck_seconds=60).start()
-    spy = redis.Redis.from_url(stack.redis_url).pubsub()
-    try:
-        _wait(lambda: hub.is_subscribed, 5, "the hub to subscribe")
+    with _subscribed_hub(stack, recheck_seconds=60) as (client, hub):
+        spy = client.pubsub()
         hub.expect("req-4", "tenant-a")
         spy.subscribe(notify.channel("req-4"))
         checks = _Checks()
@@ -136,17 +137,11 @@ def test_a_notice_before_the_poll_leaves_the_first_check_in(stack: Stack) -> Non
         started = time.monotonic()
         assert hub.wait_until("req-4", checks, 30, tenant_id="tenant-a") == "done"
         assert checks.calls == 1 and time.monotonic() - started < 1.0
-    finally:
         spy.close()
-        hub.close()
-        client.close()
 
 
 def test_a_lost_subscription_forgets_what_was_expected(stack: Stack) -> None:
-    client = redis.Redis.from_url(stack.redis_url)
-    hub = notify.NoticeHub(client, recheck_seconds=60, poll_seconds=0.5).start()
-    try:
-        _wait(lambda: hub.is_subscribed, 5, "the hub to subscribe")
+    with _subscribed_hub(stack, recheck_seconds=60, poll_seconds=0.5) as (_, hub):
         hub.expect("req-5", "tenant-a")
         checks = _Checks()
         checks.done.set()  # settled while Redis was down: its notice never went out
@@ -156,9 +151,6 @@ def test_a_lost_subscription_forgets_what_was_expected(stack: Stack) -> None:
         started = time.monotonic()
         assert hub.wait_until("req-5", checks, 30, tenant_id="tenant-a") == "done"
         assert checks.calls == 1 and time.monotonic() - started < 1.0
-    finally:
-        hub.close()
-        client.close()
 
 
 def test_a_long_poll_polls_the_database_while_redis_is_down(stack: Stack) -> None:

@@ -88,15 +88,13 @@ def fingerprints_together(tensors: Sequence[torch.Tensor]) -> list[int]:
 def of(named: Iterable[tuple[str, torch.Tensor | None]]) -> str:
     """One hex digest over named tensors (None: a tensor that holds nothing yet), in order."""
     pairs = list(named)
-    small: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    small: dict[tuple[torch.device, torch.dtype], dict[int, torch.Tensor]] = {}
     for i, (_, tensor) in enumerate(pairs):
         if tensor is not None and 0 < tensor.numel() <= _SMALL:
-            small.setdefault((tensor.device, tensor.dtype), []).append(i)
+            small.setdefault((tensor.device, tensor.dtype), {})[i] = tensor
     known: dict[int, int] = {}
-    for indices in small.values():
-        if len(indices) > 1:
-            together = fingerprints_together([pairs[i][1] for i in indices])  # type: ignore[misc]
-            known.update(zip(indices, together, strict=True))
+    for group in small.values():
+        known.update(zip(group, fingerprints_together(list(group.values())), strict=True))
     digest = hashlib.sha256()
     for i, (name, tensor) in enumerate(pairs):
         if tensor is None:

@@ -13,7 +13,6 @@ Imports nothing from api, gpu_worker or torch.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -77,13 +76,12 @@ class NoticeHub:
         self._waiters: dict[str, set[threading.Event]] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._subscribed = threading.Event()
+        self._subscribed = threading.Event()  # set while a confirmed subscription is live
         self._thread: threading.Thread | None = None
-        # The subscription Redis has confirmed and that is still live (None: none is), and the
-        # requests admitted here under it whose notice has not arrived: request id -> (tenant
-        # id, subscription). Guarded by _lock.
-        self._subscriptions = itertools.count(1)
-        self._confirmed: int | None = None
+        # How many subscriptions Redis has confirmed (the live one's number while _subscribed
+        # is set), and the requests admitted here under the live one whose notice has not
+        # arrived: request id -> (tenant id, subscription). Guarded by _lock.
+        self._subscription = 0
         self._expected: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     @property
@@ -117,9 +115,9 @@ class NoticeHub:
         read yet), provided the subscription confirmed now is still live. A request the
         transaction then does not commit is never waited on: its id reached no one."""
         with self._lock:
-            if self._confirmed is None:
+            if not self._subscribed.is_set():
                 return
-            self._expected[request_id] = (tenant_id, self._confirmed)
+            self._expected[request_id] = (tenant_id, self._subscription)
             if len(self._expected) > MAX_EXPECTED:
                 self._expected.popitem(last=False)
 
@@ -168,20 +166,20 @@ class NoticeHub:
         backoff = FIRST_BACKOFF_SECONDS
         warned = False
         while not self._stopped.is_set():
+            before = self._subscription
             try:
                 self._listen()
             except REDIS_DOWN as exc:
-                if not warned or self._subscribed.is_set():
+                if not warned or self._subscription != before:
                     log.warning("completion notices paused (Redis: %s); waiters poll", exc)
                     warned = True
             except Exception:  # never let the one subscription die for good
                 log.exception("the completion-notice subscription failed; reconnecting")
             # A subscription that worked starts the backoff over; failed attempts double it.
-            if self._subscribed.is_set():
+            if self._subscription != before:
                 backoff = FIRST_BACKOFF_SECONDS
             else:
                 backoff = min(backoff * 2, self._max_backoff_seconds)
-            self._subscribed.clear()
             self._stopped.wait(backoff)
 
     def _listen(self) -> None:
@@ -195,14 +193,14 @@ class NoticeHub:
                 if message.get("type") == "pmessage":
                     self._dispatch(message["channel"])
                 elif message.get("type") == "psubscribe":  # confirmed: later notices come here
-                    with self._lock:
-                        self._confirmed = next(self._subscriptions)
                     if not self._subscribed.is_set():
                         log.info("completion notices subscribed")
+                    with self._lock:
+                        self._subscription += 1
                         self._subscribed.set()
         finally:
             with self._lock:  # notices sent from now on may be missed: forget what was expected
-                self._confirmed = None
+                self._subscribed.clear()
                 self._expected.clear()
             with contextlib.suppress(Exception):
                 pubsub.close()
@@ -219,8 +217,8 @@ class NoticeHub:
 
     def _is_expected(self, request_id: str, tenant_id: str) -> bool:
         with self._lock:
-            noted = self._expected.get(request_id)
-            return noted is not None and noted == (tenant_id, self._confirmed)
+            live = self._subscribed.is_set()
+            return live and self._expected.get(request_id) == (tenant_id, self._subscription)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

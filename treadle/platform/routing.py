@@ -83,7 +83,7 @@ def request_stop(app: Celery, session_id: str) -> None:
 
 def _reprs(args: Sequence[str | None]) -> dict[str, str]:
     """The message's `argsrepr` and `kwargsrepr` headers (what logs and monitors show), written
-    here: Celery's own go through its `saferepr`, a third of a wake-up's CPU for two ids."""
+    here: Celery's own go through its `saferepr`, about an eighth of a wake-up's CPU for two ids."""
     return {"argsrepr": repr(args), "kwargsrepr": "{}"}
 
 
