@@ -52,8 +52,9 @@ class Stack:
             for worker_id in worker_ids:
                 leases.heartbeat_worker(conn, worker_id, {})
 
-    def settle(self, request_id: str, result: dict[str, Any]) -> None:
-        """Complete an operation as the worker holding its session would."""
+    def settle(self, request_id: str, result: dict[str, Any], *, carry: bool = False) -> None:
+        """Complete an operation as the worker holding its session would (its notice carrying
+        the outcome if `carry`, as a worker's does)."""
         with self.engine.begin() as conn:
             op = operations.get_operation(conn, None, request_id)
             session = sessions_core.get_session(conn, None, op.session_id)
@@ -62,8 +63,9 @@ class Stack:
                 conn, op, worker_id=WORKER, lease_epoch=session.lease_epoch,
                 result=result, error=None, usage={},
             )  # fmt: skip
+        outcome = operations.outcome_notice(op.type, result, None) if carry else None
         with redis.Redis.from_url(self.redis_url) as client:
-            notify.publish_done(client, request_id)
+            notify.publish_done(client, request_id, outcome)
 
 
 def post(client: FlaskClient, path: str, body: dict[str, Any]) -> Any:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import json
 import secrets
 import threading
 import time
@@ -19,12 +21,14 @@ import sqlalchemy as sa
 import tinker
 from flask import Flask
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 
 from tests.integration.degraded import (
     BASE_MODEL,
     KEY,
     Stack,
     create_model,
+    fb_proto,
     post,
 )
 from tests.integration.wire_client import WireClient, datum
@@ -153,6 +157,76 @@ def test_a_lost_subscription_forgets_what_was_expected(stack: Stack) -> None:
         assert checks.calls == 1 and time.monotonic() - started < 1.0
 
 
+def _published(client: redis.Redis, request_id: str, outcome: bytes | None) -> bytes:
+    """Publish `request_id`'s notice carrying `outcome`; what went out on its channel, once the
+    hub has had time to take it."""
+    spy = client.pubsub()
+    spy.subscribe(notify.channel(request_id))
+    _wait(lambda: spy.get_message(timeout=0.1) is not None, 5, "the spy to subscribe")
+    assert notify.publish_done(client, request_id, outcome)
+    sent: list[bytes] = []
+    _wait(lambda: bool(sent.append(m["data"]) if (m := spy.get_message(timeout=0.1)) else 0)
+          or bool(sent), 5, "the notice to go out")  # fmt: skip
+    spy.close()
+    time.sleep(0.2)  # and the hub to take it
+    return sent[0]
+
+
+def test_a_notice_carrying_the_outcome_answers_its_waiter_without_a_check(stack: Stack) -> None:
+    with _subscribed_hub(stack, recheck_seconds=60) as (client, hub):
+        hub.expect("req-6", "tenant-a")
+        checks = _Checks()
+        thread, out = _in_thread(
+            lambda: hub.wait_until("req-6", checks, 30, tenant_id="tenant-a", from_outcome=bytes)
+        )
+        _wait(lambda: hub.waiting == 1, 5, "the waiter to register")
+        assert notify.publish_done(client, "req-6", b'{"loss": 0.5}')
+        thread.join(5)
+        assert out == [b'{"loss": 0.5}'] and checks.calls == 0
+        # Taken: a later poll reads the database.
+        checks.done.set()
+        assert hub.wait_until("req-6", checks, 30, tenant_id="tenant-a", from_outcome=bytes)
+        assert checks.calls == 1
+
+
+def test_an_outcome_noticed_before_the_poll_is_held_for_its_tenant_only(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _subscribed_hub(stack, recheck_seconds=60) as (client, hub):
+        for request_id in ("req-7", "req-8"):
+            hub.expect(request_id, "tenant-a")
+            _published(client, request_id, request_id.encode())
+
+        def not_theirs() -> None:
+            raise LookupError("req-7 not found")  # as the database answers another tenant
+
+        with pytest.raises(LookupError):
+            hub.wait_until("req-7", not_theirs, 30, tenant_id="tenant-b", from_outcome=bytes)
+        checks = _Checks()
+        checks.done.set()
+        assert hub.wait_until("req-7", checks, 30, tenant_id="tenant-a", from_outcome=bytes)
+        assert checks.calls == 0  # held since the notice: no check
+        # Outcomes past MAX_HELD_BYTES drop the oldest: its waiter reads the database.
+        monkeypatch.setattr(notify, "MAX_HELD_BYTES", 8)
+        hub.expect("req-9", "tenant-a")
+        _published(client, "req-9", b"req-9")  # 5 + 5 bytes held: req-8 goes
+        assert hub.wait_until("req-8", checks, 30, tenant_id="tenant-a", from_outcome=bytes)
+        assert checks.calls == 1
+        assert hub.wait_until("req-9", _Checks(), 30, tenant_id="tenant-a", from_outcome=bytes)
+
+
+def test_an_outcome_past_the_size_limit_goes_as_a_bare_notice(stack: Stack) -> None:
+    with _subscribed_hub(stack, recheck_seconds=60) as (client, hub):
+        hub.expect("req-10", "tenant-a")
+        large = b"x" * (notify.MAX_OUTCOME_BYTES + 1)
+        assert _published(client, "req-10", large) == notify.BARE
+        checks = _Checks()
+        checks.done.set()
+        assert hub.wait_until("req-10", checks, 30, tenant_id="tenant-a", from_outcome=bytes)
+        assert checks.calls == 1
+        assert _published(client, "req-11", b"x" * notify.MAX_OUTCOME_BYTES) != notify.BARE
+
+
 def test_a_long_poll_polls_the_database_while_redis_is_down(stack: Stack) -> None:
     client = redis.Redis.from_url(stack.redis_url)
     hub = notify.NoticeHub(client, recheck_seconds=60, poll_seconds=0.5).start()
@@ -237,6 +311,67 @@ def test_the_first_poll_of_a_request_admitted_here_reads_the_database_only_after
     post(client, f"treadle/sessions/{model_id}/stop", {})  # fails it, and its notice goes out
     thread.join(10)
     assert out == [{"error": f"model {model_id} was stopped", "category": "user"}]
+
+
+# Floats whose JSON the database keeps as they are (read back equal), and two it does not:
+# -0.0 (read back 0.0) and 1e16 (read back an int), which go as a bare notice.
+KEPT = [0.1, 1e-07, -3.0000000000000004, 2.5e-310, 123456789.12345679, 7, -0.05]
+NOT_KEPT = ({"loss": -0.0}, {"loss": 1e16})
+
+
+def test_a_poll_answered_from_its_notice_answers_what_the_database_holds(
+    stack: Stack, make_app: Callable[..., Flask]
+) -> None:
+    """retrieve_future of a request admitted here answers from the outcome its notice carried,
+    reading nothing, with the same bytes as a later poll that reads the database; an outcome
+    the database would not read back the same goes as a bare notice."""
+    app = make_app(long_poll_seconds=30.0)
+    svc: Services = app.extensions["treadle"]
+    client = app.test_client()
+    session_id = post(client, "create_session", {"tags": []})["session_id"]
+    created = create_model(client, session_id)
+    stack.settle(created["request_id"], {"model_id": created["model_id"]})
+    model_id = created["model_id"]
+    _wait(lambda: svc.notices.is_subscribed, 5, "the hub to subscribe")
+    proto = {"X-API-Key": KEY, "Content-Type": "application/x-protobuf"}
+    outputs = [{"logprobs": {"dtype": "float32", "shape": [len(KEPT)], "data": KEPT}}]
+    fb = client.post("/api/v1/forward_backward", data=fb_proto(model_id, 1), headers=proto)
+    fb_result = {"loss_fn_outputs": outputs, "metrics": {"loss:sum": 0.1, "b": 1.5, "a": -2.25}}
+    cases = [(fb.get_json()["request_id"], fb_result, True)]
+    for seq_id, result in enumerate([{"metrics": {str(v): v for v in KEPT}}, *NOT_KEPT], 2):
+        step = post(client, "optim_step", {"model_id": model_id, "seq_id": seq_id})
+        cases.append((step["request_id"], result, False))
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    for request_id, result, is_proto in cases:
+        body = {"request_id": request_id}
+        poll = functools.partial(
+            app.test_client().post, "/api/v1/retrieve_future", json=body, headers={"X-API-Key": KEY}
+        )
+        thread, out = _in_thread(poll)
+        _wait(lambda: svc.notices.waiting == 1, 5, "the long-poll to wait")
+        statements.clear()
+        sa.event.listen(svc.db, "before_cursor_execute", count)
+        try:
+            stack.settle(request_id, result, carry=True)
+            thread.join(10)
+        finally:
+            sa.event.remove(svc.db, "before_cursor_execute", count)
+        kept = result not in NOT_KEPT
+        assert (statements == []) == kept, (result, statements)
+        again = client.post("/api/v1/retrieve_future", json=body, headers={"X-API-Key": KEY})
+        assert out[0].status_code == again.status_code == 200
+        if is_proto:  # map entries may come in another order: compare the messages
+            first, second = pb.ForwardBackwardOutput(), pb.ForwardBackwardOutput()
+            first.ParseFromString(out[0].get_data())
+            second.ParseFromString(again.get_data())
+            assert first == second
+        else:  # the same keys (their order aside), values and types (json.dumps tells)
+            first, second = (json.dumps(r.get_json(), sort_keys=True) for r in (out[0], again))
+            assert first == second, result
 
 
 # --- the real SDK -----------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Answers proto bytes for forward_backward and sample results, JSON for the rest,
 `{"type": "try_again"}` with status 408 while pending (see STILL_RUNNING), and
 `{"error", "category"}` for a failed operation.
 The wait goes through the process's one NoticeHub and holds no database connection between
-its checks; with Redis down it answers the same, by polling the database.
+its checks; with Redis down it answers the same, by polling the database. A request admitted
+by this process is answered from the outcome its completion notice carried, where it did.
 Imports platform only; never torch.
 """
 
@@ -42,13 +43,17 @@ def retrieve_future() -> Any:
     svc = services()
     who = principal()
 
-    def check() -> operations.OperationRow | None:
+    def check() -> operations.Outcome | None:
         with db.reading(svc.db) as conn:
             op = operations.get_operation(conn, who, body.request_id)
-        return op if op.is_done else None
+        return operations.Outcome.of(op) if op.is_done else None
 
     op = svc.notices.wait_until(
-        body.request_id, check, svc.config.long_poll_seconds, tenant_id=who.tenant_id
+        body.request_id,
+        check,
+        svc.config.long_poll_seconds,
+        tenant_id=who.tenant_id,
+        from_outcome=operations.outcome_of_notice,  # sent by the worker that settled it
     )
     if op is None:  # still running: 408, the SDK's quiet "poll again" (module docstring)
         response = jsonify(type="try_again", request_id=body.request_id, queue_state="active")

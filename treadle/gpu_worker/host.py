@@ -617,7 +617,9 @@ class SessionHost:
             metrics.count_conflict("stale_lease")
             return None
         if settled.is_new:
-            notify.publish_done(self.redis, op.request_id)
+            result = outcome.result if outcome is not None else None
+            notice = operations.outcome_notice(op.type, result, error)
+            notify.publish_done(self.redis, op.request_id, notice)
             telemetry.settled(self.worker_id, op, error, seconds)
         if settled.charge is not None:
             metrics.count_charge(settled.charge)

@@ -6,7 +6,8 @@ waiting on them, so no number of waiting clients takes more than one Redis conne
 database is the truth and a notice only an optimisation: a waiter re-checks the database every
 second or two, so it keeps working, by polling alone, while Redis is down. A request this
 process admitted is known to be pending until its notice arrives, so its waiters skip the
-database check they would otherwise start with.
+database check they would otherwise start with; and where a notice carries the outcome itself
+(`publish_done`'s `outcome`), they read nothing at all.
 Imports nothing from api, gpu_worker or torch.
 """
 
@@ -32,6 +33,14 @@ FIRST_BACKOFF_SECONDS = 0.25
 # Requests admitted here and not yet noticed that a hub remembers (the oldest are forgotten:
 # their waiters check the database first, as for a request admitted elsewhere).
 MAX_EXPECTED = 65_536
+# The bare notice: "settled, read it from the database".
+BARE = b"1"
+# Outcomes larger than this go as a bare notice (a waiter reads the database).
+MAX_OUTCOME_BYTES = 65_536
+# Outcomes a hub holds for requests admitted here that no waiter has taken yet, in bytes (the
+# oldest are dropped first: their waiters read the database). With several API processes the
+# poll often reaches another one, so most such outcomes are never taken.
+MAX_HELD_BYTES = 4 * 1024 * 1024
 
 # Redis failures that mean "unreachable right now", as opposed to a bug.
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -41,12 +50,15 @@ def channel(request_id: str) -> str:
     return f"{PREFIX}{request_id}"
 
 
-def publish_done(client: redis.Redis, request_id: str) -> bool:
-    """Announce that `request_id` is settled (call after commit). A notice that cannot be sent
-    (Redis is down) is only logged: waiters find the result in the database. Returns whether it
-    was sent."""
+def publish_done(client: redis.Redis, request_id: str, outcome: bytes | None = None) -> bool:
+    """Announce that `request_id` is settled (call after commit), with its `outcome` as the
+    database now holds it where given (see `NoticeHub.wait_until`; one larger than
+    MAX_OUTCOME_BYTES is left out). A notice that cannot be sent (Redis is down) is only
+    logged: waiters find the result in the database. Returns whether it was sent."""
+    if outcome is None or len(outcome) > MAX_OUTCOME_BYTES or outcome == BARE:
+        outcome = BARE
     try:
-        client.publish(channel(request_id), b"1")
+        client.publish(channel(request_id), outcome)
     except REDIS_DOWN as exc:
         log.warning("could not publish the completion of %s: %s", request_id, exc)
         return False
@@ -83,6 +95,11 @@ class NoticeHub:
         # arrived: request id -> (tenant id, subscription). Guarded by _lock.
         self._subscription = 0
         self._expected: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        # Outcomes that notices carried for requests admitted here, until a waiter of the same
+        # tenant takes them: request id -> (tenant id, outcome); their bytes in all. Guarded
+        # by _lock.
+        self._held: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        self._held_bytes = 0
 
     @property
     def is_subscribed(self) -> bool:
@@ -128,13 +145,16 @@ class NoticeHub:
         timeout: float,
         *,
         tenant_id: str | None = None,
+        from_outcome: Callable[[bytes], T] | None = None,
     ) -> T | None:
         """Return `check()` once it is not None, or None after `timeout` seconds.
 
         `check` reads the database; it runs first once registered for the notice (so a notice
         sent meanwhile is not missed), then on every notice and at least every `recheck_seconds`
         (every `poll_seconds` while no notice can arrive). The first check is skipped when
-        `tenant_id` admitted the request here and its notice has not arrived (`expect`).
+        `tenant_id` admitted the request here and its notice has not arrived (`expect`). When
+        that notice carried the outcome, `from_outcome(outcome)` is returned instead of any
+        check: the database is not read at all.
         """
         deadline = time.monotonic() + timeout
         event = threading.Event()
@@ -144,6 +164,9 @@ class NoticeHub:
             # cleared before the first wait.
             pending = tenant_id is not None and self._is_expected(request_id, tenant_id)
             while True:
+                outcome = self._take(request_id, tenant_id) if from_outcome else None
+                if from_outcome is not None and outcome is not None:
+                    return from_outcome(outcome)
                 if pending:
                     pending = False
                 else:
@@ -191,7 +214,7 @@ class NoticeHub:
                 if message is None:
                     continue
                 if message.get("type") == "pmessage":
-                    self._dispatch(message["channel"])
+                    self._dispatch(message["channel"], message["data"])
                 elif message.get("type") == "psubscribe":  # confirmed: later notices come here
                     if not self._subscribed.is_set():
                         log.info("completion notices subscribed")
@@ -205,12 +228,16 @@ class NoticeHub:
             with contextlib.suppress(Exception):
                 pubsub.close()
 
-    def _dispatch(self, name: bytes | str) -> None:
+    def _dispatch(self, name: bytes | str, data: bytes | str = BARE) -> None:
         if isinstance(name, bytes):
             name = name.decode("utf-8", "replace")
+        if isinstance(data, str):
+            data = data.encode()
         request_id = name.removeprefix(PREFIX)
         with self._lock:
-            self._expected.pop(request_id, None)
+            expected = self._expected.pop(request_id, None)
+            if expected is not None and data != BARE:
+                self._hold(request_id, expected[0], data)
             events = list(self._waiters.get(request_id, ()))
         for event in events:
             event.set()
@@ -220,9 +247,32 @@ class NoticeHub:
             live = self._subscribed.is_set()
             return live and self._expected.get(request_id) == (tenant_id, self._subscription)
 
+    def _hold(self, request_id: str, tenant_id: str, outcome: bytes) -> None:
+        """Keep `outcome` for a waiter of `tenant_id` (under _lock), dropping the oldest held
+        beyond MAX_HELD_BYTES."""
+        self._held[request_id] = (tenant_id, outcome)
+        self._held_bytes += len(outcome)
+        while self._held_bytes > MAX_HELD_BYTES:
+            _, (_, dropped) = self._held.popitem(last=False)
+            self._held_bytes -= len(dropped)
+
+    def _take(self, request_id: str, tenant_id: str | None) -> bytes | None:
+        """The outcome held for `request_id` if `tenant_id` admitted it, given up to the
+        caller (a later wait reads the database)."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None or held[0] != tenant_id:
+                return None
+            del self._held[request_id]
+            self._held_bytes -= len(held[1])
+            return held[1]
+
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._expected.pop(request_id, None)
+            held = self._held.pop(request_id, None)
+            if held is not None:
+                self._held_bytes -= len(held[1])
 
     def _register(self, request_id: str, event: threading.Event) -> None:
         with self._lock:

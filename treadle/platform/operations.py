@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -222,6 +223,48 @@ class OperationRow:
     @property
     def is_done(self) -> bool:
         return self.status != OpStatus.PENDING
+
+
+# What JSONB's numbers read back differently: -0.0 (as 0.0; json.dumps writes floats as repr,
+# so not the start of -0.05) and a float of 1e16 or more (written 1e+16, read back an int).
+_NOT_KEPT = re.compile(r"-0\.0(?![0-9eE])|e\+")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a long-poll of a settled operation answers: from its row (`of`), or from the
+    completion notice its worker sent (`outcome_notice`, `outcome_of_notice`)."""
+
+    type: OpType
+    status: OpStatus
+    result: Any
+    error: Any
+
+    @classmethod
+    def of(cls, op: OperationRow) -> Outcome:
+        return cls(op.type, op.status, op.result, op.error)
+
+
+def outcome_notice(op_type: OpType, result: Any, error: Any) -> bytes | None:
+    """An operation's outcome as `settle` was just given it, for its completion notice: JSON
+    that reads back as the same values the database gives. None (a bare notice) where it would
+    not (`_NOT_KEPT`)."""
+    status = OpStatus.COMPLETED if error is None else OpStatus.FAILED
+    fields = {"type": op_type, "status": status, "result": result, "error": error}
+    try:
+        text = json.dumps(fields, separators=(",", ":"))
+    except (TypeError, ValueError):  # not JSON; then neither did settle store it
+        return None
+    if _NOT_KEPT.search(text):  # or a string that looks so: rare, and the database answers
+        return None
+    return text.encode()
+
+
+def outcome_of_notice(notice: bytes) -> Outcome:
+    fields = json.loads(notice)
+    return Outcome(
+        OpType(fields["type"]), OpStatus(fields["status"]), fields["result"], fields["error"]
+    )
 
 
 def payload_hash(payload: Mapping[str, Any]) -> str:
