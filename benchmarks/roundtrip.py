@@ -7,7 +7,10 @@ the embedded platform (`treadle up`, one worker) and, for Treadle's own SDK
 (`treadle.ServiceClient`) and the official `tinker` SDK (`tinker.ServiceClient` pointed at
 Treadle), `--ops` sequential calls of each operation after `--warmup` unmeasured ones; plus the
 same forward through a raw HTTP client (POST, then retrieve_future), which shows what the SDK
-itself adds. Prints p50 / p90 / p99 in milliseconds; record them in docs/benchmarks.md.
+itself adds. Prints p50 / p90 / p99 in milliseconds, and the CPU each process spent per
+Treadle SDK `forward` (this process, the API, the worker, PostgreSQL, Redis; from psutil): on a
+machine of few cores the round trip is these processes taking turns. Record them in
+docs/benchmarks.md.
 
 Usage: python benchmarks/roundtrip.py [--ops 200] [--warmup 20]
 """
@@ -29,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
@@ -64,6 +68,43 @@ def measure(call: Callable[[], Any], ops: int, warmup: int) -> tuple[float, floa
         call()
         samples.append((time.perf_counter() - started) * 1000)
     return percentiles(samples)
+
+
+def processes(platform: LocalPlatform) -> dict[str, list[psutil.Process]]:
+    """The platform's processes by what they run: this one (the SDK), the API (`treadle up`
+    serves it), the workers, the embedded PostgreSQL (its postmaster, found by its data dir
+    under the platform's, and its backends) and Redis."""
+    assert platform.proc is not None
+    root = psutil.Process(platform.proc.pid)
+    roles: dict[str, list[psutil.Process]] = {
+        "SDK (this process)": [psutil.Process()],
+        "API": [root],
+        "worker": [],
+        "PostgreSQL": [],
+        "Redis": [],
+    }
+    for child in root.children(recursive=True):
+        command = " ".join(child.cmdline())
+        if "treadle.cli worker" in command:
+            roles["worker"].append(child)
+        elif "redis-server" in command:
+            roles["Redis"].append(child)
+    for proc in psutil.process_iter(["cmdline"]):
+        command = proc.info["cmdline"] or []
+        if "-D" in command and str(platform.data_dir) in " ".join(command):
+            roles["PostgreSQL"] += [proc, *proc.children()]
+    return roles
+
+
+def cpu_seconds(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    def of(proc: psutil.Process) -> float:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # gone
+            return 0.0
+        return times.user + times.system
+
+    return {role: sum(of(proc) for proc in procs) for role, procs in roles.items()}
 
 
 def in_process(ops: int, warmup: int) -> tuple[float, float, float]:
@@ -106,7 +147,7 @@ def operations(training: Any) -> dict[str, Callable[[], Any]]:
 def raw_forward(client: WireClient, model_id: str, seq: list[int]) -> Callable[[], Any]:
     def call() -> Any:
         seq[0] += 1
-        response = client.forward_backward(model_id, seq[0], [datum()])
+        response = client.forward_backward(model_id, seq[0], [datum()], forward_only=True)
         response.raise_for_status()
         return client.result(response.json()["request_id"])
 
@@ -119,6 +160,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20)
     args = parser.parse_args()
     rows: list[tuple[str, tuple[float, float, float]]] = []
+    cpu_ms: dict[str, float] = {}  # per treadle SDK forward, by process
     rows.append(("in-process engine forward", in_process(args.ops, args.warmup)))
     data_dir = Path(tempfile.mkdtemp(prefix="treadle-roundtrip-bench-"))
     admin_key = "tml-bench-" + secrets.token_hex(8)
@@ -130,8 +172,16 @@ def main() -> int:
 
             svc = treadle.ServiceClient(base_url=platform.base_url, api_key=key)
             training = svc.create_lora_training_client(BASE_MODEL, rank=8, seed=0)
+            roles = processes(platform)
             for name, call in operations(training).items():
+                before = cpu_seconds(roles)
                 rows.append((f"treadle SDK {name}", measure(call, args.ops, args.warmup)))
+                if name == "forward":
+                    after = cpu_seconds(roles)
+                    cpu_ms = {
+                        role: (after[role] - before[role]) * 1000 / (args.ops + args.warmup)
+                        for role in roles
+                    }
             svc.close()
 
             tsvc = tinker.ServiceClient(base_url=platform.base_url, api_key=key)
@@ -157,6 +207,10 @@ def main() -> int:
     print(f"  {'':34} {'p50':>8} {'p90':>8} {'p99':>8}")
     for name, (p50, p90, p99) in rows:
         print(f"  {name:34} {p50:8.2f} {p90:8.2f} {p99:8.2f}")
+    print("CPU per treadle SDK forward by process, milliseconds (warm-up included):")
+    for role, ms in cpu_ms.items():
+        print(f"  {role:34} {ms:8.2f}")
+    print(f"  {'all':34} {sum(cpu_ms.values()):8.2f}")
     return 0
 
 

@@ -35,7 +35,10 @@ class WireClient:
         datums: list[types.Datum],
         loss_fn: str = "cross_entropy",
         config: dict[str, float] | None = None,
+        *,
+        forward_only: bool = False,
     ) -> httpx.Response:
+        """POST forward_backward; with `forward_only`, what the SDKs' `forward` sends."""
         request = types.ForwardBackwardRequest(
             model_id=model_id,
             seq_id=seq_id,
@@ -43,7 +46,9 @@ class WireClient:
                 data=datums, loss_fn=loss_fn, loss_fn_config=config
             ),
         )
-        body = forward_backward_request_to_proto(request).SerializeToString()
+        message = forward_backward_request_to_proto(request)
+        message.forward_only = forward_only
+        body = message.SerializeToString()
         return self.http.post(
             "/api/v1/forward_backward",
             content=body,
