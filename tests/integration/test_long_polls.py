@@ -158,18 +158,16 @@ def test_a_lost_subscription_forgets_what_was_expected(stack: Stack) -> None:
 
 
 def _published(client: redis.Redis, request_id: str, outcome: bytes | None) -> bytes:
-    """Publish `request_id`'s notice carrying `outcome`; what went out on its channel, once the
-    hub has had time to take it."""
+    """Publish `request_id`'s notice carrying `outcome`; what went out on its channel."""
     spy = client.pubsub()
     spy.subscribe(notify.channel(request_id))
     _wait(lambda: spy.get_message(timeout=0.1) is not None, 5, "the spy to subscribe")
     assert notify.publish_done(client, request_id, outcome)
-    sent: list[bytes] = []
-    _wait(lambda: bool(sent.append(m["data"]) if (m := spy.get_message(timeout=0.1)) else 0)
-          or bool(sent), 5, "the notice to go out")  # fmt: skip
+    deadline = time.monotonic() + 5
+    while (message := spy.get_message(timeout=0.1)) is None:
+        assert time.monotonic() < deadline, "timed out waiting for the notice to go out"
     spy.close()
-    time.sleep(0.2)  # and the hub to take it
-    return sent[0]
+    return bytes(message["data"])
 
 
 def test_a_notice_carrying_the_outcome_answers_its_waiter_without_a_check(stack: Stack) -> None:
@@ -207,9 +205,11 @@ def test_an_outcome_noticed_before_the_poll_is_held_for_its_tenant_only(
         assert hub.wait_until("req-7", checks, 30, tenant_id="tenant-a", from_outcome=bytes)
         assert checks.calls == 0  # held since the notice: no check
         # Outcomes past MAX_HELD_BYTES drop the oldest: its waiter reads the database.
+        _wait(lambda: hub.held_bytes == 5, 5, "the hub to hold req-8's outcome")
         monkeypatch.setattr(notify, "MAX_HELD_BYTES", 8)
         hub.expect("req-9", "tenant-a")
-        _published(client, "req-9", b"req-9")  # 5 + 5 bytes held: req-8 goes
+        _published(client, "req-9", b"req-9!")  # 5 + 6 bytes held: req-8 goes
+        _wait(lambda: hub.held_bytes == 6, 5, "the hub to hold req-9's outcome")
         assert hub.wait_until("req-8", checks, 30, tenant_id="tenant-a", from_outcome=bytes)
         assert checks.calls == 1
         assert hub.wait_until("req-9", _Checks(), 30, tenant_id="tenant-a", from_outcome=bytes)
@@ -224,7 +224,8 @@ def test_an_outcome_past_the_size_limit_goes_as_a_bare_notice(stack: Stack) -> N
         checks.done.set()
         assert hub.wait_until("req-10", checks, 30, tenant_id="tenant-a", from_outcome=bytes)
         assert checks.calls == 1
-        assert _published(client, "req-11", b"x" * notify.MAX_OUTCOME_BYTES) != notify.BARE
+        largest = b"x" * notify.MAX_OUTCOME_BYTES
+        assert _published(client, "req-11", largest) == largest
 
 
 def test_a_long_poll_polls_the_database_while_redis_is_down(stack: Stack) -> None:

@@ -113,6 +113,12 @@ class NoticeHub:
         with self._lock:
             return sum(len(events) for events in self._waiters.values())
 
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of outcomes held for requests admitted here that no waiter has taken."""
+        with self._lock:
+            return self._held_bytes
+
     def start(self) -> NoticeHub:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="treadle-notices", daemon=True)
