@@ -55,7 +55,7 @@ def publish_done(client: redis.Redis, request_id: str, outcome: bytes | None = N
     database now holds it where given (see `NoticeHub.wait_until`; one larger than
     MAX_OUTCOME_BYTES is left out). A notice that cannot be sent (Redis is down) is only
     logged: waiters find the result in the database. Returns whether it was sent."""
-    if outcome is None or len(outcome) > MAX_OUTCOME_BYTES or outcome == BARE:
+    if outcome is None or len(outcome) > MAX_OUTCOME_BYTES:
         outcome = BARE
     try:
         client.publish(channel(request_id), outcome)
@@ -170,9 +170,8 @@ class NoticeHub:
             # cleared before the first wait.
             pending = tenant_id is not None and self._is_expected(request_id, tenant_id)
             while True:
-                outcome = self._take(request_id, tenant_id) if from_outcome else None
-                if from_outcome is not None and outcome is not None:
-                    return from_outcome(outcome)
+                if from_outcome is not None and (held := self._take(request_id, tenant_id)):
+                    return from_outcome(held)
                 if pending:
                     pending = False
                 else:
