@@ -35,8 +35,10 @@ FIRST_BACKOFF_SECONDS = 0.25
 MAX_EXPECTED = 65_536
 # The bare notice: "settled, read it from the database".
 BARE = b"1"
-# Outcomes larger than this go as a bare notice (a waiter reads the database).
-MAX_OUTCOME_BYTES = 65_536
+# Outcomes larger than this go as a bare notice (a waiter reads the database). Every API
+# process receives every notice, so only small ones ride along: a trivial operation's, whose
+# round trip the read would lengthen most; a larger result took long enough to compute.
+MAX_OUTCOME_BYTES = 4096
 # Outcomes a hub holds for requests admitted here that no waiter has taken yet, in bytes (the
 # oldest are dropped first: their waiters read the database). With several API processes the
 # poll often reaches another one, so most such outcomes are never taken.
