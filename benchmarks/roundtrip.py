@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import tinker  # noqa: E402
+from events import cpu_seconds  # noqa: E402
+from peft_baseline import worker_pid  # noqa: E402
 from tinker import types  # noqa: E402
 
 import treadle  # noqa: E402
@@ -72,39 +74,37 @@ def measure(call: Callable[[], Any], ops: int, warmup: int) -> tuple[float, floa
 
 def processes(platform: LocalPlatform) -> dict[str, list[psutil.Process]]:
     """The platform's processes by what they run: this one (the SDK), the API (`treadle up`
-    serves it), the workers, the embedded PostgreSQL (its postmaster, found by its data dir
+    serves it), its worker, the embedded PostgreSQL (its postmaster, found by its data dir
     under the platform's, and its backends) and Redis."""
     assert platform.proc is not None
     root = psutil.Process(platform.proc.pid)
-    roles: dict[str, list[psutil.Process]] = {
+    postgres = [
+        proc
+        for postmaster in psutil.process_iter(["cmdline"])
+        if "-D" in (command := postmaster.info["cmdline"] or [])
+        and str(platform.data_dir) in " ".join(command)
+        for proc in (postmaster, *postmaster.children())
+    ]
+    return {
         "SDK (this process)": [psutil.Process()],
         "API": [root],
-        "worker": [],
-        "PostgreSQL": [],
-        "Redis": [],
+        "worker": [psutil.Process(worker_pid(platform))],
+        "PostgreSQL": postgres,
+        "Redis": [c for c in root.children() if "redis-server" in " ".join(c.cmdline())],
     }
-    for child in root.children(recursive=True):
-        command = " ".join(child.cmdline())
-        if "treadle.cli worker" in command:
-            roles["worker"].append(child)
-        elif "redis-server" in command:
-            roles["Redis"].append(child)
-    for proc in psutil.process_iter(["cmdline"]):
-        command = proc.info["cmdline"] or []
-        if "-D" in command and str(platform.data_dir) in " ".join(command):
-            roles["PostgreSQL"] += [proc, *proc.children()]
-    return roles
 
 
-def cpu_seconds(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
-    def of(proc: psutil.Process) -> float:
-        try:
-            times = proc.cpu_times()
-        except psutil.Error:  # gone
-            return 0.0
-        return times.user + times.system
+def cpu_ms_per_op(
+    roles: dict[str, list[psutil.Process]], before: dict[str, float], ops: int
+) -> dict[str, float]:
+    """Each role's CPU since `before` (`cpu_by_role`), in milliseconds per operation."""
+    return {
+        role: (seconds - before[role]) * 1000 / ops for role, seconds in cpu_by_role(roles).items()
+    }
 
-    return {role: sum(of(proc) for proc in procs) for role, procs in roles.items()}
+
+def cpu_by_role(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    return {role: sum(cpu_seconds(p) or 0.0 for p in procs) for role, procs in roles.items()}
 
 
 def in_process(ops: int, warmup: int) -> tuple[float, float, float]:
@@ -174,14 +174,10 @@ def main() -> int:
             training = svc.create_lora_training_client(BASE_MODEL, rank=8, seed=0)
             roles = processes(platform)
             for name, call in operations(training).items():
-                before = cpu_seconds(roles)
+                before = cpu_by_role(roles)
                 rows.append((f"treadle SDK {name}", measure(call, args.ops, args.warmup)))
                 if name == "forward":
-                    after = cpu_seconds(roles)
-                    cpu_ms = {
-                        role: (after[role] - before[role]) * 1000 / (args.ops + args.warmup)
-                        for role in roles
-                    }
+                    cpu_ms = cpu_ms_per_op(roles, before, args.ops + args.warmup)
             svc.close()
 
             tsvc = tinker.ServiceClient(base_url=platform.base_url, api_key=key)

@@ -63,7 +63,11 @@ class Stack:
                 conn, op, worker_id=WORKER, lease_epoch=session.lease_epoch,
                 result=result, error=None, usage={},
             )  # fmt: skip
-        outcome = operations.outcome_notice(op.type, result, None) if carry else None
+        outcome = (
+            operations.outcome_notice(op.type, result, None, max_bytes=notify.MAX_OUTCOME_BYTES)
+            if carry
+            else None
+        )
         with redis.Redis.from_url(self.redis_url) as client:
             notify.publish_done(client, request_id, outcome)
 

@@ -597,6 +597,7 @@ class SessionHost:
         """Settle an operation's outcome; None when this worker's lease was stale (nothing was
         written)."""
         tokens = outcome.tokens if outcome is not None else handlers.no_tokens()
+        result = outcome.result if outcome is not None else None
         usage = {"duration_ms": round(seconds * 1000, 3), "tokens": tokens}
         try:
             with self.db.begin() as conn:
@@ -605,7 +606,7 @@ class SessionHost:
                     op,
                     worker_id=self.worker_id,
                     lease_epoch=session.lease_epoch,
-                    result=outcome.result if outcome is not None else None,
+                    result=result,
                     error=error,
                     usage=usage,
                     state=state,
@@ -617,8 +618,9 @@ class SessionHost:
             metrics.count_conflict("stale_lease")
             return None
         if settled.is_new:
-            result = outcome.result if outcome is not None else None
-            notice = operations.outcome_notice(op.type, result, error)
+            notice = operations.outcome_notice(
+                op.type, result, error, max_bytes=notify.MAX_OUTCOME_BYTES
+            )
             notify.publish_done(self.redis, op.request_id, notice)
             telemetry.settled(self.worker_id, op, error, seconds)
         if settled.charge is not None:

@@ -257,6 +257,7 @@ class NoticeHub:
     def _hold(self, request_id: str, tenant_id: str, outcome: bytes) -> None:
         """Keep `outcome` for a waiter of `tenant_id` (under _lock), dropping the oldest held
         beyond MAX_HELD_BYTES."""
+        self._unhold(request_id)  # one entry per request, counted once
         self._held[request_id] = (tenant_id, outcome)
         self._held_bytes += len(outcome)
         while self._held_bytes > MAX_HELD_BYTES:
@@ -270,16 +271,20 @@ class NoticeHub:
             held = self._held.get(request_id)
             if held is None or held[0] != tenant_id:
                 return None
-            del self._held[request_id]
-            self._held_bytes -= len(held[1])
-            return held[1]
+            return self._unhold(request_id)
+
+    def _unhold(self, request_id: str) -> bytes | None:
+        """Drop `request_id`'s held outcome (under _lock); it, or None."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return None
+        self._held_bytes -= len(held[1])
+        return held[1]
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._expected.pop(request_id, None)
-            held = self._held.pop(request_id, None)
-            if held is not None:
-                self._held_bytes -= len(held[1])
+            self._unhold(request_id)
 
     def _register(self, request_id: str, event: threading.Event) -> None:
         with self._lock:

@@ -245,12 +245,14 @@ class Outcome:
         return cls(op.type, op.status, op.result, op.error)
 
 
-def outcome_notice(op_type: OpType, result: Any, error: Any) -> bytes | None:
+def outcome_notice(op_type: OpType, result: Any, error: Any, *, max_bytes: int) -> bytes | None:
     """An operation's outcome as `settle` was just given it, for its completion notice: JSON
     that reads back as the same values the database gives. None (a bare notice) where it would
-    not (`_NOT_KEPT`)."""
+    not (`_NOT_KEPT`), and, without encoding it, where it must be longer than `max_bytes`."""
     status = OpStatus.COMPLETED if error is None else OpStatus.FAILED
     fields = {"type": op_type, "status": status, "result": result, "error": error}
+    if _longer_than(fields, max_bytes):  # a large result: its encoding would be thrown away
+        return None
     try:
         text = json.dumps(fields, separators=(",", ":"))
     except (TypeError, ValueError):  # not JSON; then neither did settle store it
@@ -258,6 +260,27 @@ def outcome_notice(op_type: OpType, result: Any, error: Any) -> bytes | None:
     if _NOT_KEPT.search(text):  # or a string that looks so: rare, and the database answers
         return None
     return text.encode()
+
+
+_CONTAINERS = (dict, list, tuple)
+
+
+def _longer_than(value: Any, max_bytes: int) -> bool:
+    """Whether `value`'s JSON is surely longer than `max_bytes`: each element of a list or
+    object in it takes at least two bytes (itself and a separator), so more than `max_bytes`
+    // 2 elements cannot fit. Counts a container's elements before looking into them, and
+    looks into a list only if its first element is a container (a list of numbers is not
+    walked); a count that misses some is low, and the result is then encoded after all."""
+    left, stack = max_bytes // 2, [value]
+    while stack:
+        item = stack.pop()
+        children: Any = item.values() if isinstance(item, dict) else item
+        left -= len(children)
+        if left < 0:
+            return True
+        if isinstance(item, dict) or (children and isinstance(children[0], _CONTAINERS)):
+            stack.extend(c for c in children if isinstance(c, _CONTAINERS))
+    return False
 
 
 def outcome_of_notice(notice: bytes) -> Outcome:
