@@ -3,6 +3,11 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Test processes (pytest-xdist), each with its own servers, database and platforms; files stay
+# whole on one process, so a module's fixtures start once. Most tests wait on processes they
+# started (platforms, servers, lease timeouts), so two keep a 2-core machine busy.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: demo test test-integration check bench install prometheus clean
 
@@ -40,10 +45,10 @@ demo: $(STAMP)
 	$(PY) -m treadle.recipes.demo
 
 test: $(STAMP) prometheus
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PYTEST)
 
 test-integration: $(STAMP) prometheus
-	$(PY) -m pytest -q -p no:cacheprovider -m integration
+	$(PYTEST) -m integration
 
 check: $(STAMP)
 	$(VENV)/bin/ruff format --check treadle tests migrations benchmarks

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
@@ -33,6 +34,18 @@ class Services:
     redis_url: str
 
 
+def worker_redis_url(redis_url: str) -> str:
+    """The machine's Redis for this test process: under pytest-xdist, worker N uses database
+    base + N, so two workers' Celery queues and control messages never meet (each worker's
+    PostgreSQL database is its own already; embedded servers are per process)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not redis_url or not worker.startswith("gw"):
+        return redis_url
+    parts = urlsplit(redis_url)
+    base = int(parts.path.strip("/") or 0)
+    return urlunsplit(parts._replace(path=f"/{base + int(worker[2:])}"))
+
+
 @pytest.fixture(scope="session")
 def services() -> Iterator[Services]:
     # Outside pytest's basetemp: another pytest run rotating its numbered dirs must not delete a
@@ -40,7 +53,7 @@ def services() -> Iterator[Services]:
     root = Path(tempfile.mkdtemp(prefix="treadle-test-"))
     embedded = EmbeddedServices(root)
     server_url, redis_url = embedded.start(
-        os.environ.get("DATABASE_URL", ""), os.environ.get("REDIS_URL", "")
+        os.environ.get("DATABASE_URL", ""), worker_redis_url(os.environ.get("REDIS_URL", ""))
     )
     name = f"treadle_test_{os.getpid()}_{secrets.token_hex(3)}"
     admin = sa.create_engine(db.sqlalchemy_url(server_url), isolation_level="AUTOCOMMIT")

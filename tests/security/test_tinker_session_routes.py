@@ -167,7 +167,9 @@ def test_a_pending_operation_is_one_event_ending_at_the_export(secure: SecureApp
     assert names == {"process_name": created["model_id"], "thread_name": "create_model"}
 
 
-@pytest.mark.parametrize("token", ["nope", "x" * 129, secrets.token_urlsafe(32)])
+@pytest.mark.parametrize(
+    "token", ["nope", "x" * 129, secrets.token_urlsafe(32)], ids=["short", "too-long", "unknown"]
+)
 def test_an_unknown_trace_link_is_a_404(secure: SecureApp, token: str) -> None:
     message = _error(secure.call("GET", f"/api/v1/treadle/traces/{token}", None), 404)
     assert "export the trace again" in message
