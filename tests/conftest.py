@@ -23,7 +23,14 @@ import sqlalchemy as sa
 from tests.databases import private_database
 from tests.secure_app import SecureApp, running_secure_app
 from treadle.platform import db
-from treadle.platform.embedded import EmbeddedServices, free_port
+from treadle.platform.embedded import (
+    PORT_FLOOR,
+    PORT_RANGE_ENV,
+    EmbeddedServices,
+    ephemeral_port_range,
+    free_port,
+    parse_port_range,
+)
 
 ADMIN_KEY = "tml-test-admin-" + secrets.token_hex(8)
 
@@ -32,6 +39,33 @@ ADMIN_KEY = "tml-test-admin-" + secrets.token_hex(8)
 class Services:
     database_url: str
     redis_url: str
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each test process picks its servers' ports (`free_port`, here and in
+    the platforms it starts, which inherit the environment) from a block of its own, so two
+    processes never pick the same port in the moment between the pick and the listen."""
+    block = xdist_port_block(
+        os.environ.get("PYTEST_XDIST_WORKER", ""),
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+        os.environ.get(PORT_RANGE_ENV, ""),
+    )
+    if block:
+        os.environ[PORT_RANGE_ENV] = block
+
+
+def xdist_port_block(worker: str, count: int, chosen: str) -> str:
+    """The TREADLE_PORT_RANGE of xdist worker `worker` ("gw<i>") of `count`: its slice of
+    `chosen` (or of the ports below the ephemeral range); "" outside xdist or when the range is
+    too small to slice."""
+    if not worker.startswith("gw") or count < 2:
+        return ""
+    low, high = parse_port_range(chosen) if chosen else (PORT_FLOOR, ephemeral_port_range()[0] - 1)
+    size = (high - low + 1) // count
+    if size < 1000:
+        return ""
+    index = int(worker[2:])
+    return f"{low + index * size}-{low + (index + 1) * size - 1}"
 
 
 def worker_redis_url(redis_url: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import shlex
 import shutil
@@ -33,6 +34,8 @@ EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
 # Below this sit well-known and registered ports that people run services on by hand.
 PORT_FLOOR = 10000
+# Where `free_port` picks from, when set ("low-high").
+PORT_RANGE_ENV = "TREADLE_PORT_RANGE"
 # SystemRandom: a test that seeds `random` must not make parallel processes pick the same ports.
 _random = random.SystemRandom()
 
@@ -51,19 +54,37 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     Picked at random *below* the ephemeral range: a port from bind-to-0 comes from that range,
     which is exactly where the kernel also takes local ports for outgoing connections, so the
-    server's own connections (or anyone's) could take it before the server listens.
+    server's own connections (or anyone's) could take it before the server listens. With
+    TREADLE_PORT_RANGE set ("low-high"), only from that range: processes that start servers at
+    the same time (parallel test processes) given disjoint ranges never pick the same port
+    between the pick and the listen.
     """
     low, high = ephemeral_port_range()
-    top = low - 1
+    floor, top = PORT_FLOOR, low - 1
     if top < PORT_FLOOR + 1000:  # an ephemeral range reaching down (almost) to the floor
         top = 65535
+    if chosen := os.environ.get(PORT_RANGE_ENV):
+        floor, top = parse_port_range(chosen)
     for _ in range(200):
-        port = _random.randint(PORT_FLOOR, top)
-        if top == 65535 and low <= port <= high:
+        port = _random.randint(floor, top)
+        if not chosen and top == 65535 and low <= port <= high:
             continue
         if all(_can_bind(h, port) for h in {host, "127.0.0.1"}):
             return port
-    raise RuntimeError(f"no free port found in {PORT_FLOOR}..{top} after 200 tries")
+    raise RuntimeError(f"no free port found in {floor}..{top} after 200 tries")
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """`low-high` (inclusive) of TREADLE_PORT_RANGE; ValueError saying what is wrong."""
+    parts = text.split("-")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"{PORT_RANGE_ENV}={text!r}: write two port numbers, e.g. 20000-20999")
+    low, high = (int(p) for p in parts)
+    if not 1024 <= low <= high <= 65535:
+        raise ValueError(
+            f"{PORT_RANGE_ENV}={text!r}: need 1024 <= low <= high <= 65535, e.g. 20000-20999"
+        )
+    return low, high
 
 
 def _can_bind(host: str, port: int) -> bool:
