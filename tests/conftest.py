@@ -23,14 +23,7 @@ import sqlalchemy as sa
 from tests.databases import private_database
 from tests.secure_app import SecureApp, running_secure_app
 from treadle.platform import db
-from treadle.platform.embedded import (
-    PORT_FLOOR,
-    PORT_RANGE_ENV,
-    EmbeddedServices,
-    ephemeral_port_range,
-    free_port,
-    parse_port_range,
-)
+from treadle.platform.embedded import PORT_RANGE_ENV, EmbeddedServices, free_port, port_range
 
 ADMIN_KEY = "tml-test-admin-" + secrets.token_hex(8)
 
@@ -41,30 +34,29 @@ class Services:
     redis_url: str
 
 
+def xdist_index() -> int | None:
+    """This test process's index under pytest-xdist (PYTEST_XDIST_WORKER "gw<i>"), else None."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") else None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, each test process picks its servers' ports (`free_port`, here and in
     the platforms it starts, which inherit the environment) from a block of its own, so two
     processes never pick the same port in the moment between the pick and the listen."""
-    block = xdist_port_block(
-        os.environ.get("PYTEST_XDIST_WORKER", ""),
-        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
-        os.environ.get(PORT_RANGE_ENV, ""),
-    )
-    if block:
+    index = xdist_index()
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if index is not None and (block := port_block(port_range(), index, count)):
         os.environ[PORT_RANGE_ENV] = block
 
 
-def xdist_port_block(worker: str, count: int, chosen: str) -> str:
-    """The TREADLE_PORT_RANGE of xdist worker `worker` ("gw<i>") of `count`: its slice of
-    `chosen` (or of the ports below the ephemeral range); "" outside xdist or when the range is
-    too small to slice."""
-    if not worker.startswith("gw") or count < 2:
-        return ""
-    low, high = parse_port_range(chosen) if chosen else (PORT_FLOOR, ephemeral_port_range()[0] - 1)
+def port_block(ports: tuple[int, int], index: int, count: int) -> str:
+    """Block `index` of `count` equal, disjoint slices of `ports` (low, high), as
+    TREADLE_PORT_RANGE; "" for a single process or a range too small to slice."""
+    low, high = ports
     size = (high - low + 1) // count
-    if size < 1000:
+    if count < 2 or size < 1000:
         return ""
-    index = int(worker[2:])
     return f"{low + index * size}-{low + (index + 1) * size - 1}"
 
 
@@ -72,12 +64,12 @@ def worker_redis_url(redis_url: str) -> str:
     """The machine's Redis for this test process: under pytest-xdist, worker N uses database
     base + N, so two workers' Celery queues and control messages never meet (each worker's
     PostgreSQL database is its own already; embedded servers are per process)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if not redis_url or not worker.startswith("gw"):
+    index = xdist_index()
+    if not redis_url or index is None:
         return redis_url
     parts = urlsplit(redis_url)
     base = int(parts.path.strip("/") or 0)
-    return urlunsplit(parts._replace(path=f"/{base + int(worker[2:])}"))
+    return urlunsplit(parts._replace(path=f"/{base + index}"))
 
 
 @pytest.fixture(scope="session")

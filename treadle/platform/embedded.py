@@ -50,28 +50,34 @@ def ephemeral_port_range() -> tuple[int, int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on, for a server about to start.
-
-    Picked at random *below* the ephemeral range: a port from bind-to-0 comes from that range,
-    which is exactly where the kernel also takes local ports for outgoing connections, so the
-    server's own connections (or anyone's) could take it before the server listens. With
-    TREADLE_PORT_RANGE set ("low-high"), only from that range: processes that start servers at
-    the same time (parallel test processes) given disjoint ranges never pick the same port
-    between the pick and the listen.
+    """A port nothing listens on, for a server about to start, picked at random in
+    `port_range()` and never in the ephemeral range: a port from bind-to-0 comes from that
+    range, which is exactly where the kernel also takes local ports for outgoing connections, so
+    the server's own connections (or anyone's) could take it before the server listens.
     """
+    floor, top = port_range()
     low, high = ephemeral_port_range()
-    floor, top = PORT_FLOOR, low - 1
-    if top < PORT_FLOOR + 1000:  # an ephemeral range reaching down (almost) to the floor
-        top = 65535
-    if chosen := os.environ.get(PORT_RANGE_ENV):
-        floor, top = parse_port_range(chosen)
     for _ in range(200):
         port = _random.randint(floor, top)
-        if not chosen and top == 65535 and low <= port <= high:
+        if low <= port <= high:
             continue
         if all(_can_bind(h, port) for h in {host, "127.0.0.1"}):
             return port
-    raise RuntimeError(f"no free port found in {floor}..{top} after 200 tries")
+    raise RuntimeError(
+        f"no free port found in {floor}..{top} (outside the ephemeral range {low}..{high}) "
+        f"after 200 tries; set {PORT_RANGE_ENV} to a range with free ports"
+    )
+
+
+def port_range() -> tuple[int, int]:
+    """Where `free_port` picks: TREADLE_PORT_RANGE ("low-high") when set, so that processes
+    starting servers at the same time (parallel test processes) given disjoint ranges never pick
+    the same port between the pick and the listen; else from PORT_FLOOR up to the ephemeral
+    range (or, where that range reaches down to the floor, up to 65535 around it)."""
+    if chosen := os.environ.get(PORT_RANGE_ENV):
+        return parse_port_range(chosen)
+    low, _ = ephemeral_port_range()
+    return (PORT_FLOOR, low - 1) if low - 1 >= PORT_FLOOR + 1000 else (PORT_FLOOR, 65535)
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
