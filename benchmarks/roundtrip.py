@@ -7,7 +7,9 @@ the embedded platform (`treadle up`, one worker) and, for Treadle's own SDK
 (`treadle.ServiceClient`) and the official `tinker` SDK (`tinker.ServiceClient` pointed at
 Treadle), `--ops` sequential calls of each operation after `--warmup` unmeasured ones; plus the
 same forward through a raw HTTP client (POST, then retrieve_future), which shows what the SDK
-itself adds. Prints p50 / p90 / p99 in milliseconds, and the CPU each process spent per
+itself adds; and through no HTTP at all: the API's Flask app built in this process against the
+platform's PostgreSQL, Redis and worker, called through Flask's test client, which shows what
+the HTTP server and clients add to the platform's own path. Prints p50 / p90 / p99 in milliseconds, and the CPU each process spent per
 Treadle SDK `forward` (this process, the API, the worker, PostgreSQL, Redis; from psutil): on a
 machine of few cores the round trip is these processes taking turns. Record them in
 docs/benchmarks.md.
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import secrets
 import shutil
 import statistics
@@ -154,6 +158,51 @@ def raw_forward(client: WireClient, model_id: str, seq: list[int]) -> Callable[[
     return call
 
 
+def no_http_forward(
+    platform: LocalPlatform, admin_key: str, key: str, model_id: str, seq: list[int]
+) -> Callable[[], Any]:
+    """The raw forward through the API's Flask app built in this process (the platform's
+    PostgreSQL, Redis and worker; Flask's test client for the two requests): the platform's path
+    with no HTTP server, no HTTP client and no SDK."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    from treadle.api.app import create_app
+    from treadle.platform.config import PlatformConfig
+
+    state = json.loads((platform.data_dir / "up.json").read_text())
+    env = {**os.environ, "DATABASE_URL": state["database_url"], "REDIS_URL": state["redis_url"],
+           "TREADLE_ADMIN_KEY": admin_key, "TREADLE_DATA_DIR": str(platform.data_dir)}  # fmt: skip
+    client = create_app(PlatformConfig.from_env(env)).test_client()
+    headers = {"X-API-Key": key}
+
+    def call() -> Any:
+        seq[0] += 1
+        request = types.ForwardBackwardRequest(
+            model_id=model_id,
+            seq_id=seq[0],
+            forward_backward_input=types.ForwardBackwardInput(
+                data=[datum()], loss_fn="cross_entropy"
+            ),
+        )
+        message = forward_backward_request_to_proto(request)
+        message.forward_only = True
+        response = client.post(
+            "/api/v1/forward_backward",
+            data=message.SerializeToString(),
+            headers={**headers, "Content-Type": "application/x-protobuf"},
+        )
+        assert response.status_code == 200, response.text
+        body = {"request_id": response.get_json()["request_id"]}
+        while (
+            response := client.post("/api/v1/retrieve_future", json=body, headers=headers)
+        ).status_code == 408:
+            pass  # still running: poll again, as the SDKs do
+        assert response.status_code == 200, response.text
+        return response.data
+
+    return call
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ops", type=int, default=200)
@@ -189,9 +238,15 @@ def main() -> int:
             # Not an SDK: what the platform alone takes, for the SDKs' own share.
             wire = WireClient(platform.base_url, key)
             model_id = wire.create_model(BASE_MODEL, rank=8)
+            seq = [0]  # the model's seq_ids, which both rows below take in turn
             rows.append(
-                ("raw HTTP forward (no SDK)", measure(raw_forward(wire, model_id, [0]), args.ops,
+                ("raw HTTP forward (no SDK)", measure(raw_forward(wire, model_id, seq), args.ops,
                                                       args.warmup))
+            )  # fmt: skip
+            rows.append(
+                ("no HTTP (API app in this process)",
+                 measure(no_http_forward(platform, admin_key, key, model_id, seq),
+                         args.ops, args.warmup))
             )  # fmt: skip
             wire.http.close()
     finally:

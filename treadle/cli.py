@@ -255,7 +255,16 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
         log_dir.mkdir(exist_ok=True)
         app = create_app(config)
         server = create_server(
-            app, host=host, port=port, threads=config.api_threads, connection_limit=1000
+            app,
+            host=host,
+            port=port,
+            threads=config.api_threads,
+            connection_limit=1000,
+            # The request's own thread sends its answer as it is written. By default waitress
+            # holds an answer below 18,000 bytes for its event-loop thread, so every small
+            # answer waited for that thread to be woken and scheduled (docs/benchmarks.md,
+            # "Round trip").
+            send_bytes=1,
         )
         api_url = f"http://{host}:{server.effective_port}"
         services: dict[str, Service] = {}
