@@ -242,7 +242,14 @@ def _sampler_handle(w: World, a: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_BASE_URL", w.platform.base_url)
     handle = w.sampler.get_sampler_handle()
     again = tinker.SamplingClient.from_sampler_handle(handle, api_key=w.key)
-    assert again.compute_logprobs(PROMPT).result() == w.sampler.compute_logprobs(PROMPT).result()
+    try:
+        assert (
+            again.compute_logprobs(PROMPT).result() == w.sampler.compute_logprobs(PROMPT).result()
+        )
+    finally:
+        # Its own client (a "shadow" of the handle's session), which would otherwise heartbeat
+        # until the process ends, past the platform's stop.
+        again.holder.close()
 
 
 # --- RestClient -------------------------------------------------------------------------------

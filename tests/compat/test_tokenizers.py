@@ -216,8 +216,10 @@ def test_a_missing_repo_revision_or_file_is_a_404_that_says_which(
 def test_get_info_names_the_tokenizer_repo_of_the_base_model(platform: Platform, key: str) -> None:
     import treadle
 
-    svc = treadle.ServiceClient(base_url=platform.base_url, api_key=key)
-    with svc.create_lora_training_client(TINY, rank=4) as tc:
+    with (
+        treadle.ServiceClient(base_url=platform.base_url, api_key=key) as svc,
+        svc.create_lora_training_client(TINY, rank=4) as tc,
+    ):
         response = httpx.post(
             f"{platform.base_url}/api/v1/get_info",
             json={"model_id": tc.model_id, "type": "get_info"},

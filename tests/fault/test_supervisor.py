@@ -75,33 +75,33 @@ def test_up_names_its_workers_as_treadle_worker_would(up: Up) -> None:
 
 def test_killed_worker_is_retired_at_once_and_restarted_under_its_id(up: Up) -> None:
     up.wait_ready(2)
-    client = treadle.ServiceClient(base_url=up.base_url, api_key=up.admin_key)
-    training = client.create_lora_training_client(
-        "treadle/tiny-debug", training_session_name="supervisor-worker-kill", rank=4, seed=1
-    )
-    model_id = str(training.model_id)
-    worker_id, epoch = wait_for(lambda: _held(up, model_id), 30, "a worker to hold the session")
-    before = up.state()["workers"][worker_id]
+    with treadle.ServiceClient(base_url=up.base_url, api_key=up.admin_key) as client:
+        training = client.create_lora_training_client(
+            "treadle/tiny-debug", training_session_name="supervisor-worker-kill", rank=4, seed=1
+        )
+        model_id = str(training.model_id)
+        worker_id, epoch = wait_for(lambda: _held(up, model_id), 30, "a worker to hold the session")
+        before = up.state()["workers"][worker_id]
 
-    os.kill(before["pid"], signal.SIGKILL)
+        os.kill(before["pid"], signal.SIGKILL)
 
-    # Released by the supervisor (its reason, the epoch it held): with a 120 s lease TTL
-    # nothing else could have moved it within this wait.
-    released = wait_for(
-        lambda: _released(up, model_id, "the worker process exited (code -9)"),
-        30,
-        "the supervisor to release the dead worker's lease",
-    )
-    assert [(e["worker_id"], e["epoch"]) for e in released] == [(worker_id, epoch)]
-    after = wait_for(
-        lambda: (w := up.state()["workers"][worker_id])["pid"] != before["pid"] and w,
-        10,
-        "the worker to be restarted",
-    )
-    assert after["index"] == before["index"]
-    assert after["restarts"] == before["restarts"] + 1
-    wait_for(lambda: _heartbeat_pid(up, worker_id) == after["pid"], 90, "its heartbeat")
-    training.stop()
+        # Released by the supervisor (its reason, the epoch it held): with a 120 s lease TTL
+        # nothing else could have moved it within this wait.
+        released = wait_for(
+            lambda: _released(up, model_id, "the worker process exited (code -9)"),
+            30,
+            "the supervisor to release the dead worker's lease",
+        )
+        assert [(e["worker_id"], e["epoch"]) for e in released] == [(worker_id, epoch)]
+        after = wait_for(
+            lambda: (w := up.state()["workers"][worker_id])["pid"] != before["pid"] and w,
+            10,
+            "the worker to be restarted",
+        )
+        assert after["index"] == before["index"]
+        assert after["restarts"] == before["restarts"] + 1
+        wait_for(lambda: _heartbeat_pid(up, worker_id) == after["pid"], 90, "its heartbeat")
+        training.stop()
 
 
 def test_killed_redis_is_restarted_on_the_same_port(up: Up) -> None:
