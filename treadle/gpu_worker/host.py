@@ -340,11 +340,12 @@ class SessionHost:
         """Run and settle a training operation; False when its settlement saw no training
         operation of the session pending after it (the drain has nothing more to look up)."""
         call = self._call(session, op)
+        started_at = time.time()
         outcome, error, state, seconds = self._run(call, payload, op)
         try:
             if self.config.debug_faults:
                 faults.maybe_pause(self.redis, session.id, op.type, op.seq_id, self.closing)
-            settlement = self._settle(session, op, outcome, error, state, seconds)
+            settlement = self._settle(session, op, outcome, error, state, seconds, started_at)
         except BaseException:
             self._discard(session.id)  # whether it committed is unknown: rebuild from the log
             if self.config.debug_faults:
@@ -486,7 +487,8 @@ class SessionHost:
             except Exception as exc:
                 error = _error_of(exc, failed)
             seconds = time.perf_counter() - sampling.started
-            self._settle(sampling.session, sampling.op, outcome, error, None, seconds)
+            started_at = time.time() - seconds  # when it joined its batch, read before settling
+            self._settle(sampling.session, sampling.op, outcome, error, None, seconds, started_at)
 
     def _waiting_samples(
         self,
@@ -593,9 +595,10 @@ class SessionHost:
         error: dict[str, Any] | None,
         state: dict[str, str] | None,
         seconds: float,
+        started_at: float,
     ) -> operations.Settlement | None:
-        """Settle an operation's outcome; None when this worker's lease was stale (nothing was
-        written)."""
+        """Settle an operation's outcome (it ran `seconds` from `started_at`, a `time.time()`);
+        None when this worker's lease was stale (nothing was written)."""
         tokens = outcome.tokens if outcome is not None else handlers.no_tokens()
         result = outcome.result if outcome is not None else None
         usage = {"duration_ms": round(seconds * 1000, 3), "tokens": tokens}
@@ -622,7 +625,7 @@ class SessionHost:
                 op.type, result, error, max_bytes=notify.MAX_OUTCOME_BYTES
             )
             notify.publish_done(self.redis, op.request_id, notice)
-            telemetry.settled(self.worker_id, op, error, seconds)
+            telemetry.settled(self.worker_id, op, error, seconds, started_at)
         if settled.charge is not None:
             metrics.count_charge(settled.charge)
         return settled

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -69,17 +68,19 @@ def settled(
     op: operations.OperationRow,
     error: dict[str, Any] | None,
     seconds: float,
+    started_at: float,
 ) -> None:
     """Count an operation this worker has just settled (only a new settlement: a retried one
-    was counted the first time) and log it. `seconds`: its execution time."""
+    was counted the first time) and log it. `seconds`: its execution time; `started_at`: when
+    its execution began (`time.time()`), so its queue wait leaves out the settlement."""
     outcome = "completed" if error is None else "failed"
     OPERATIONS.labels(op.type, outcome).inc()
     EXECUTION.labels(op.type).observe(seconds)
     wait = None
     if op.requested_at is not None:
-        # Execution started `seconds` ago; the admission time is the database's clock, so a
-        # clock skew between the two hosts could make it negative.
-        wait = max(0.0, time.time() - seconds - op.requested_at.timestamp())
+        # The admission time is the database's clock, so a clock skew between the two hosts
+        # could make it negative.
+        wait = max(0.0, started_at - op.requested_at.timestamp())
         QUEUE_WAIT.labels(op.type).observe(wait)
     oplog.operation(
         request_id=op.request_id,
