@@ -11,8 +11,10 @@ itself adds; and through no HTTP at all: the API's Flask app built in this proce
 platform's PostgreSQL, Redis and worker, called through Flask's test client, which shows what
 the HTTP server and clients add to the platform's own path. Prints p50 / p90 / p99 in milliseconds, and the CPU each process spent per
 Treadle SDK `forward` (this process, the API, the worker, PostgreSQL, Redis; from psutil): on a
-machine of few cores the round trip is these processes taking turns. Record them in
-docs/benchmarks.md.
+machine of few cores the round trip is these processes taking turns. And, from the worker's
+operation log, the median queue wait of those forwards (from the start of the admission's
+transaction to the start of execution) and their execution time: the rest of the round trip is
+the settlement, the notice, HTTP and the SDK. Record them in docs/benchmarks.md.
 
 Usage: python benchmarks/roundtrip.py [--ops 200] [--warmup 20]
 """
@@ -203,6 +205,32 @@ def no_http_forward(
     return call
 
 
+def worker_split(
+    platform: LocalPlatform, model_id: str, skip: int, count: int
+) -> tuple[float, float]:
+    """Median queue wait and execution, in ms, of the session's `forward`s `skip`..`skip+count`
+    (in seq order), from its worker's operation log lines."""
+    lines = [
+        json.loads(line)
+        for path in sorted((platform.data_dir / "logs").glob("worker*.log"))
+        for line in path.read_text().splitlines()
+        if '"treadle.operations"' in line
+    ]
+    ops = sorted(
+        (
+            o
+            for o in lines
+            if o.get("session_id") == model_id and o.get("type") == "forward_backward"
+        ),
+        key=lambda o: o["seq_id"],
+    )[skip : skip + count]
+    assert len(ops) == count, f"found {len(ops)} of {count} operation log lines"
+    return (
+        statistics.median(o["queue_wait_seconds"] for o in ops) * 1000,
+        statistics.median(o["execution_seconds"] for o in ops) * 1000,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ops", type=int, default=200)
@@ -210,6 +238,7 @@ def main() -> int:
     args = parser.parse_args()
     rows: list[tuple[str, tuple[float, float, float]]] = []
     cpu_ms: dict[str, float] = {}  # per treadle SDK forward, by process
+    split_ms = (0.0, 0.0)  # the worker's queue wait and execution of those forwards
     rows.append(("in-process engine forward", in_process(args.ops, args.warmup)))
     data_dir = Path(tempfile.mkdtemp(prefix="treadle-roundtrip-bench-"))
     admin_key = "tml-bench-" + secrets.token_hex(8)
@@ -227,6 +256,7 @@ def main() -> int:
                 rows.append((f"treadle SDK {name}", measure(call, args.ops, args.warmup)))
                 if name == "forward":
                     cpu_ms = cpu_ms_per_op(roles, before, args.ops + args.warmup)
+                    split_ms = worker_split(platform, training.model_id, args.warmup, args.ops)
             svc.close()
 
             tsvc = tinker.ServiceClient(base_url=platform.base_url, api_key=key)
@@ -262,6 +292,9 @@ def main() -> int:
     for role, ms in cpu_ms.items():
         print(f"  {role:34} {ms:8.2f}")
     print(f"  {'all':34} {sum(cpu_ms.values()):8.2f}")
+    print("Where a treadle SDK forward waits, from the worker's log (medians, milliseconds):")
+    print(f"  {'admission to execution start':34} {split_ms[0]:8.2f}")
+    print(f"  {'execution':34} {split_ms[1]:8.2f}")
     return 0
 
 
