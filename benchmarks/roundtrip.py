@@ -9,12 +9,13 @@ Treadle), `--ops` sequential calls of each operation after `--warmup` unmeasured
 same forward through a raw HTTP client (POST, then retrieve_future), which shows what the SDK
 itself adds; and through no HTTP at all: the API's Flask app built in this process against the
 platform's PostgreSQL, Redis and worker, called through Flask's test client, which shows what
-the HTTP server and clients add to the platform's own path. Prints p50 / p90 / p99 in milliseconds, and the CPU each process spent per
-Treadle SDK `forward` (this process, the API, the worker, PostgreSQL, Redis; from psutil): on a
-machine of few cores the round trip is these processes taking turns. And, from the worker's
-operation log, the median queue wait of those forwards (from the start of the admission's
-transaction to the start of execution) and their execution time: the rest of the round trip is
-the settlement, the notice, HTTP and the SDK. Record them in docs/benchmarks.md.
+the HTTP server and clients add to the platform's own path. Prints p50 / p90 / p99 in
+milliseconds, and the CPU each process spent per Treadle SDK `forward` (this process, the API,
+the worker, PostgreSQL, Redis; from psutil): on a machine of few cores the round trip is these
+processes taking turns. And, from the worker's operation log, the median queue wait of those
+forwards (from the start of the admission's transaction to the start of execution) and their
+execution time: the rest of the round trip is the settlement, the notice, HTTP and the SDK.
+Record them in docs/benchmarks.md.
 
 Usage: python benchmarks/roundtrip.py [--ops 200] [--warmup 20]
 """
