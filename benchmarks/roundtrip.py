@@ -23,6 +23,7 @@ Usage: python benchmarks/roundtrip.py [--ops 200] [--warmup 20]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -32,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from peft_baseline import worker_pid  # noqa: E402
 from tinker import types  # noqa: E402
 
 import treadle  # noqa: E402
-from tests.integration.wire_client import WireClient  # noqa: E402
+from tests.integration.wire_client import WireClient, forward_backward_body  # noqa: E402
 from treadle.client.admin import AdminClient  # noqa: E402
 from treadle.platform.embedded import free_port  # noqa: E402
 from treadle.recipes.platform_process import LocalPlatform  # noqa: E402
@@ -161,37 +162,28 @@ def raw_forward(client: WireClient, model_id: str, seq: list[int]) -> Callable[[
     return call
 
 
+@contextlib.contextmanager
 def no_http_forward(
     platform: LocalPlatform, admin_key: str, key: str, model_id: str, seq: list[int]
-) -> Callable[[], Any]:
+) -> Iterator[Callable[[], Any]]:
     """The raw forward through the API's Flask app built in this process (the platform's
     PostgreSQL, Redis and worker; Flask's test client for the two requests): the platform's path
-    with no HTTP server, no HTTP client and no SDK."""
-    from tinker.proto.request_conv import forward_backward_request_to_proto
-
+    with no HTTP server, no HTTP client and no SDK. The app's connections close on leaving."""
     from treadle.api.app import create_app
     from treadle.platform.config import PlatformConfig
 
     state = json.loads((platform.data_dir / "up.json").read_text())
     env = {**os.environ, "DATABASE_URL": state["database_url"], "REDIS_URL": state["redis_url"],
            "TREADLE_ADMIN_KEY": admin_key, "TREADLE_DATA_DIR": str(platform.data_dir)}  # fmt: skip
-    client = create_app(PlatformConfig.from_env(env)).test_client()
+    app = create_app(PlatformConfig.from_env(env))
+    client = app.test_client()
     headers = {"X-API-Key": key}
 
     def call() -> Any:
         seq[0] += 1
-        request = types.ForwardBackwardRequest(
-            model_id=model_id,
-            seq_id=seq[0],
-            forward_backward_input=types.ForwardBackwardInput(
-                data=[datum()], loss_fn="cross_entropy"
-            ),
-        )
-        message = forward_backward_request_to_proto(request)
-        message.forward_only = True
         response = client.post(
             "/api/v1/forward_backward",
-            data=message.SerializeToString(),
+            data=forward_backward_body(model_id, seq[0], [datum()], forward_only=True),
             headers={**headers, "Content-Type": "application/x-protobuf"},
         )
         assert response.status_code == 200, response.text
@@ -203,7 +195,10 @@ def no_http_forward(
         assert response.status_code == 200, response.text
         return response.data
 
-    return call
+    try:
+        yield call
+    finally:
+        app.extensions["treadle"].close()
 
 
 def worker_split(
@@ -274,11 +269,10 @@ def main() -> int:
                 ("raw HTTP forward (no SDK)", measure(raw_forward(wire, model_id, seq), args.ops,
                                                       args.warmup))
             )  # fmt: skip
-            rows.append(
-                ("no HTTP (API app in this process)",
-                 measure(no_http_forward(platform, admin_key, key, model_id, seq),
-                         args.ops, args.warmup))
-            )  # fmt: skip
+            with no_http_forward(platform, admin_key, key, model_id, seq) as call:
+                rows.append(
+                    ("no HTTP (API app in this process)", measure(call, args.ops, args.warmup))
+                )
             wire.http.close()
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)

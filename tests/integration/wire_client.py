@@ -39,16 +39,7 @@ class WireClient:
         forward_only: bool = False,
     ) -> httpx.Response:
         """POST forward_backward; with `forward_only`, what the SDKs' `forward` sends."""
-        request = types.ForwardBackwardRequest(
-            model_id=model_id,
-            seq_id=seq_id,
-            forward_backward_input=types.ForwardBackwardInput(
-                data=datums, loss_fn=loss_fn, loss_fn_config=config
-            ),
-        )
-        message = forward_backward_request_to_proto(request)
-        message.forward_only = forward_only
-        body = message.SerializeToString()
+        body = forward_backward_body(model_id, seq_id, datums, loss_fn, config, forward_only)
         return self.http.post(
             "/api/v1/forward_backward",
             content=body,
@@ -77,6 +68,28 @@ class WireClient:
             if body.get("type") != "try_again":
                 return body
         raise TimeoutError(f"{request_id} did not finish in {timeout} s")
+
+
+def forward_backward_body(
+    model_id: str,
+    seq_id: int,
+    datums: list[types.Datum],
+    loss_fn: str = "cross_entropy",
+    config: dict[str, float] | None = None,
+    forward_only: bool = False,
+) -> bytes:
+    """A forward_backward request body as the SDKs send it (protobuf); with `forward_only`, a
+    `forward`."""
+    request = types.ForwardBackwardRequest(
+        model_id=model_id,
+        seq_id=seq_id,
+        forward_backward_input=types.ForwardBackwardInput(
+            data=datums, loss_fn=loss_fn, loss_fn_config=config
+        ),
+    )
+    message = forward_backward_request_to_proto(request)
+    message.forward_only = forward_only
+    return message.SerializeToString()  # type: ignore[no-any-return]
 
 
 def datum(tokens: list[int]) -> types.Datum:
