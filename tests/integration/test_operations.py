@@ -89,6 +89,27 @@ def test_resent_seq_returns_same_request_and_runs_once(platform, engine) -> None
     ]
 
 
+def test_resent_unnamed_sampler_save_is_the_same_save_whatever_its_sampler_number(
+    platform,
+) -> None:
+    """The tinker SDK numbers an unnamed sampler anew on each retry of its save
+    (tests/compat/test_lost_answers.py); the save it repeats is still the one at its seq_id. A
+    different kind of save there is another request."""
+    client = WireClient(platform.base_url, platform.admin_key)
+    model_id = client.create_model()
+    save = {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0}
+    first = client.post("save_weights_for_sampler", save).json()
+    retried = client.post("save_weights_for_sampler", {**save, "sampling_session_seq_id": 1})
+    assert retried.status_code == 200, retried.text
+    assert retried.json()["request_id"] == first["request_id"]
+    sampler = client.result(first["request_id"])["sampling_session_id"]
+    assert sampler.endswith(":sample:0")  # the first request's sampler, made once
+
+    inflight = client.post("save_weights_for_sampler", {**save, "kind": "inflight"})
+    assert inflight.status_code == 400
+    assert "already used by a different save_weights_for_sampler" in inflight.text
+
+
 def test_out_of_order_arrival_waits_for_the_gap(platform, engine) -> None:
     client = WireClient(platform.base_url, platform.admin_key)
     model_id = client.create_model()

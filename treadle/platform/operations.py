@@ -327,7 +327,7 @@ def admit(
     else:
         session = get_session(conn, principal, session_id, for_update=True)
     data = payload.to_json()
-    digest = payload_hash(data)
+    digest = payload_hash(payload.identity())
     at = {"session_id": session_id, "seq_id": seq_id}
     existing = conn.execute(
         _USED_SEQ[bool(sampler_id)], {**at, "sampler_id": sampler_id} if sampler_id else at

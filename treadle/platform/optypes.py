@@ -62,6 +62,11 @@ class Payload(BaseModel):
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+    def identity(self) -> dict[str, Any]:
+        """What makes two requests with the same seq_id the same request: a client's retry of
+        an operation must match it here, or it is refused as a different one."""
+        return self.to_json()
+
 
 class LoraConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -185,6 +190,14 @@ class SaveWeightsForSampler(Payload):
     @property
     def snapshot(self) -> str:
         return self.snapshot_id or self.sampler_id
+
+    def identity(self) -> dict[str, Any]:
+        """Everything but the sampler's id. The tinker SDK numbers an unnamed sampler inside
+        its retry loop, so each retry of one save names a new sampler
+        (`sampling_session_seq_id`); a retry whose first answer was lost must still find the
+        save it repeats (and its sampler) instead of a conflict. Whether it is an inflight
+        sampler stays part of it (`snapshot_id`)."""
+        return {"snapshot_id": self.snapshot_id}
 
     @property
     def is_replayed(self) -> bool:
