@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -50,6 +52,21 @@ def test_package_keeps_its_import_rules(package: str) -> None:
         if any(name == bad or name.startswith(bad + ".") for bad in FORBIDDEN[package])
     ]
     assert violations == []
+
+
+def test_starting_the_api_loads_no_model_library() -> None:
+    """The rules hold for what the API's imports import in turn: the API's process (`treadle up`,
+    or a WSGI server's worker) starts without torch, transformers or the tinker SDK, whose
+    package imports torch (tinker's protobuf schema is loaded from its file instead:
+    treadle.api.tinker_proto). OpenAI-compatible serving loads transformers on its first
+    request, for the model's chat template."""
+    code = (
+        "import sys, treadle.cli, treadle.api.app, treadle.api.gunicorn_conf; "
+        "print(sorted(m for m in ('torch', 'transformers', 'peft', 'tinker') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def _closure(dist: str, seen: set[str]) -> set[str]:

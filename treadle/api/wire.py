@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
-from tinker.proto import tinker_public_pb2 as pb
 
+from treadle.api import tinker_proto
 from treadle.platform.errors import ValidationError
 from treadle.platform.validation import (
     FWDBWD_MAX_CHUNK_LEN,
@@ -30,6 +30,11 @@ from treadle.platform.validation import (
     MAX_VALUES_PER_TOKEN,
     SPARSE_VALUE_ALLOWANCE,
 )
+
+if TYPE_CHECKING:  # the SDK's copy of the module, for its type stubs
+    from tinker.proto import tinker_public_pb2 as pb
+else:
+    pb = tinker_proto.load()
 
 # Bytes fields hold raw little-endian arrays.
 _DTYPES: dict[int, tuple[str, np.dtype[Any]]] = {
