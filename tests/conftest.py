@@ -22,6 +22,7 @@ import sqlalchemy as sa
 
 from tests.databases import private_database
 from tests.secure_app import SecureApp, running_secure_app
+from treadle.client.admin import AdminClient
 from treadle.platform import db
 from treadle.platform.embedded import PORT_RANGE_ENV, EmbeddedServices, free_port, port_range
 
@@ -175,6 +176,15 @@ def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def new_tenant_key(platform: Platform, name: str) -> str:
+    """The API key of a new tenant `<name>-<random>` on `platform`, made with its operator key."""
+    admin = AdminClient(platform.base_url, platform.admin_key)
+    try:
+        return str(admin.create_tenant(f"{name}-{secrets.token_hex(3)}")["api_key"])
+    finally:
+        admin.close()
 
 
 def _wait_until_ready(

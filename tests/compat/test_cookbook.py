@@ -12,7 +12,6 @@ import ast
 import json
 import math
 import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +22,8 @@ from tinker_cookbook import model_info, renderers, tokenizer_utils
 from tinker_cookbook.exceptions import ConfigurationError
 from tinker_cookbook.renderers.base import ParseTermination
 
-from tests.conftest import Platform
+from tests.conftest import Platform, new_tenant_key
 from treadle import cookbook
-from treadle.client.admin import AdminClient
 from treadle.platform import catalog, tokenizers
 
 pytestmark = pytest.mark.integration
@@ -36,11 +34,7 @@ TIMEOUT = 600
 
 @pytest.fixture(scope="module")
 def key(platform: Platform) -> str:
-    admin = AdminClient(platform.base_url, platform.admin_key)
-    try:
-        return str(admin.create_tenant(f"cookbook-{secrets.token_hex(3)}")["api_key"])
-    finally:
-        admin.close()
+    return new_tenant_key(platform, "cookbook")
 
 
 def run_recipe(

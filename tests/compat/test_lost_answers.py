@@ -4,7 +4,6 @@ operation it repeats (same future, run once), never a conflict that ends the use
 
 from __future__ import annotations
 
-import secrets
 from urllib.parse import urlsplit
 
 import pytest
@@ -12,8 +11,7 @@ import tinker
 from tinker import types
 
 from tests.compat.lossy_proxy import lossy_proxy
-from tests.conftest import Platform
-from treadle.client.admin import AdminClient
+from tests.conftest import Platform, new_tenant_key
 from treadle.platform import db, events
 
 pytestmark = pytest.mark.integration
@@ -25,11 +23,7 @@ PROMPT = types.ModelInput.from_ints([504, 3575, 282, 4649])
 
 @pytest.fixture(scope="module")
 def key(platform: Platform) -> str:
-    admin = AdminClient(platform.base_url, platform.admin_key)
-    try:
-        return str(admin.create_tenant(f"lost-{secrets.token_hex(3)}")["api_key"])
-    finally:
-        admin.close()
+    return new_tenant_key(platform, "lost")
 
 
 def _datum() -> types.Datum:

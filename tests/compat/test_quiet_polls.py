@@ -12,18 +12,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import secrets
 from collections.abc import Iterator
 
 import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import Platform
+from tests.conftest import Platform, new_tenant_key
 from tests.served_app import served
 from treadle.api.app import create_app
 from treadle.api.context import Services
-from treadle.client.admin import AdminClient
 from treadle.platform.config import PlatformConfig
 
 pytestmark = pytest.mark.integration
@@ -60,9 +58,7 @@ def short_poll_replica(
 def test_a_loop_longer_than_a_long_poll_logs_no_warning(
     platform: Platform, caplog: pytest.LogCaptureFixture
 ) -> None:
-    admin = AdminClient(platform.base_url, platform.admin_key)
-    key = str(admin.create_tenant(f"quiet-polls-{secrets.token_hex(3)}")["api_key"])
-    admin.close()
+    key = new_tenant_key(platform, "quiet-polls")
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(list(range(1, 40))),
         loss_fn_inputs={"target_tokens": list(range(2, 41)), "weights": [1.0] * 39},

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Platform
+from tests.conftest import Platform, new_tenant_key
 from tests.secure_app import SecureApp
-from treadle.client.admin import AdminClient
 from treadle.platform import catalog
 
 pytestmark = pytest.mark.integration
@@ -31,11 +29,7 @@ TEXT = "The capital of France is Paris. 12 + 30 = 42!"
 
 @pytest.fixture(scope="module")
 def key(platform: Platform) -> str:
-    admin = AdminClient(platform.base_url, platform.admin_key)
-    try:
-        return str(admin.create_tenant(f"tokenizers-{secrets.token_hex(3)}")["api_key"])
-    finally:
-        admin.close()
+    return new_tenant_key(platform, "tokenizers")
 
 
 def hub_env(platform: Platform, key: str, hf_home: Path) -> dict[str, str]:
