@@ -53,6 +53,8 @@ PUBLIC_PATHS = ("/healthz", "/api/v1/healthz", "/api/v1/openapi.json", "/metrics
 # an external weights download link carries its own token too (routes_checkpoint_sharing).
 PUBLIC_PREFIXES = ("/api/v1/treadle/traces/", "/hf/", "/api/v1/treadle/downloads/")
 CONNECT_TIMEOUT_SECONDS = 3
+# An answer later than the long-poll by this much is logged as slow (telemetry.install).
+SLOW_ANSWER_MARGIN_SECONDS = 10.0
 
 
 def create_app(config: PlatformConfig) -> Flask:
@@ -110,7 +112,8 @@ def create_app(config: PlatformConfig) -> Flask:
     ):
         app.register_blueprint(module.bp)
 
-    telemetry.install(app)  # first of the request hooks: its clock starts before the others'
+    # First of the request hooks: its clock starts before the others'.
+    telemetry.install(app, slow_after=config.long_poll_seconds + SLOW_ANSWER_MARGIN_SECONDS)
 
     @app.before_request
     def authenticate() -> None:

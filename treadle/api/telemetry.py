@@ -4,7 +4,8 @@ timed; the process's resident memory; and the exposition `GET /metrics` serves.
 The route label is the Flask URL rule ("/api/v1/retrieve_future"), never the raw path (ids in
 paths would make a series per session), and "unmatched" when no rule matched (a 404). The count
 is taken in `after_request`, which Flask also runs for the answers of the error handlers, so a
-refused request is counted with its real 4xx/5xx status. Under gunicorn (PROMETHEUS_MULTIPROC_DIR
+refused request is counted with its real 4xx/5xx status. An answer that took longer than any
+long-poll should (`slow_after`) is also logged, with its route, status and time. Under gunicorn (PROMETHEUS_MULTIPROC_DIR
 set) every process writes its own files and /metrics sums them all (`MultiProcessCollector`;
 `gunicorn_conf` empties the folder at start and drops a dead process's gauges).
 Imports platform only; never torch or gpu_worker.
@@ -12,6 +13,7 @@ Imports platform only; never torch or gpu_worker.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from flask import Flask, Response, g, request
@@ -49,10 +51,13 @@ MEMORY_REFRESH_SECONDS = 5.0
 
 _memory_read_at = 0.0
 
+log = logging.getLogger(__name__)
 
-def install(app: Flask) -> None:
-    """Count and time every request `app` answers. Call before any other before_request hook
-    is registered, so the time includes them (authentication, for one)."""
+
+def install(app: Flask, slow_after: float) -> None:
+    """Count and time every request `app` answers, and log a warning for an answer that took
+    more than `slow_after` seconds. Call before any other before_request hook is registered, so
+    the time includes them (authentication, for one)."""
 
     @app.before_request
     def start_clock() -> None:
@@ -66,7 +71,11 @@ def install(app: Flask) -> None:
         REQUESTS.labels(route, method, str(response.status_code)).inc()
         started = g.get("metrics_started")
         if started is not None:
-            DURATION.labels(route, method).observe(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            DURATION.labels(route, method).observe(seconds)
+            if seconds > slow_after:
+                log.warning("slow answer: %s %s %d after %.1f s", method, request.path,
+                            response.status_code, seconds)  # fmt: skip
         if time.monotonic() - _memory_read_at >= MEMORY_REFRESH_SECONDS:
             _refresh_memory()
         return response
