@@ -6,6 +6,7 @@ SDK and, through its tensor types, torch: 2.2 of the API's 6.8 s of imports here
 memory in a process that never runs a model. The generated module needs only protobuf. Its
 file is registered in protobuf's default pool under its own name, so the message classes are the
 same ones the SDK's copy of the module gives, in whichever order the two are loaded.
+Imports nothing of treadle, and never the `tinker` package.
 """
 
 from __future__ import annotations
