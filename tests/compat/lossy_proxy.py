@@ -45,8 +45,7 @@ class LossyProxy:
     ) -> None:
         with contextlib.suppress(OSError):
             while chunk := client.recv(65536):
-                path = self._path_to_lose(chunk)
-                if path is not None:
+                if self._loses_answer_to(chunk):
                     losing.set()
                 upstream.sendall(chunk)
         _close(client, upstream)
@@ -61,18 +60,18 @@ class LossyProxy:
                 client.sendall(chunk)
         _close(client, upstream)
 
-    def _path_to_lose(self, chunk: bytes) -> str | None:
-        """The path of the request starting in `chunk` if its answer is to be lost."""
+    def _loses_answer_to(self, chunk: bytes) -> bool:
+        """Whether the answer to the request starting in `chunk` is to be lost (and counted)."""
         if not chunk.startswith(b"POST "):
-            return None
+            return False
         path = chunk.split(b" ", 2)[1].decode("latin-1")
         with self._lock:
             for suffix, left in self._to_lose.items():
                 if left and path.endswith(suffix):
                     self._to_lose[suffix] = left - 1
                     self.lost.append(suffix)
-                    return suffix
-        return None
+                    return True
+        return False
 
 
 def _close(*sockets: socket.socket) -> None:
