@@ -1,5 +1,6 @@
 """A Flask app served over HTTP on a free port in a thread, counting its answers, for tests that
-need real HTTP clients (the tinker SDK) against an in-process app."""
+need real HTTP clients (the tinker SDK) against an in-process app; and an API replica of a running
+platform served that way."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from typing import Any
 
 from flask import Flask
 from werkzeug.serving import make_server
+
+from tests.conftest import Platform
+from treadle.api.app import create_app
+from treadle.api.context import Services
+from treadle.platform.config import PlatformConfig
 
 Counts = collections.Counter[tuple[str, int]]
 
@@ -37,3 +43,24 @@ def served(app: Flask) -> Iterator[tuple[str, Counts]]:
     finally:
         server.shutdown()
         thread.join(5)
+
+
+@contextlib.contextmanager
+def replica(platform: Platform, **config: Any) -> Iterator[tuple[str, Counts]]:
+    """A second API of `platform` (same database, Redis and workers) built with `config` on top
+    of the platform's settings, served by `served`: its URL and its answers by (path, status)."""
+    app = create_app(
+        PlatformConfig(
+            database_url=platform.database_url,
+            redis_url=platform.redis_url,
+            data_dir=platform.data_dir,
+            admin_key=platform.admin_key,
+            **config,
+        )
+    )
+    try:
+        with served(app) as (base_url, counts):
+            yield base_url, counts
+    finally:
+        services: Services = app.extensions["treadle"]
+        services.close()

@@ -9,20 +9,14 @@ API replica of the served platform (same database, Redis and workers) whose long
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import logging
-from collections.abc import Iterator
 
 import pytest
 import tinker
 from tinker import types
 
 from tests.conftest import Platform, new_tenant_key
-from tests.served_app import served
-from treadle.api.app import create_app
-from treadle.api.context import Services
-from treadle.platform.config import PlatformConfig
+from tests.served_app import replica
 
 pytestmark = pytest.mark.integration
 
@@ -33,28 +27,6 @@ FUTURE_ROUTES = ("/create_model", "/forward_backward", "/optim_step", "/save_wei
                  "/asample")  # fmt: skip
 
 
-@contextlib.contextmanager
-def short_poll_replica(
-    platform: Platform,
-) -> Iterator[tuple[str, collections.Counter[tuple[str, int]]]]:
-    """An API replica of `platform` with a 0.2 s long-poll, served over HTTP on a free port,
-    counting its answers by (path, status)."""
-    config = PlatformConfig(
-        database_url=platform.database_url,
-        redis_url=platform.redis_url,
-        data_dir=platform.data_dir,
-        admin_key=platform.admin_key,
-        long_poll_seconds=LONG_POLL_SECONDS,
-    )
-    app = create_app(config)
-    try:
-        with served(app) as (base_url, counts):
-            yield base_url, counts
-    finally:
-        svc: Services = app.extensions["treadle"]
-        svc.close()
-
-
 def test_a_loop_longer_than_a_long_poll_logs_no_warning(
     platform: Platform, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -63,7 +35,7 @@ def test_a_loop_longer_than_a_long_poll_logs_no_warning(
         model_input=types.ModelInput.from_ints(list(range(1, 40))),
         loss_fn_inputs={"target_tokens": list(range(2, 41)), "weights": [1.0] * 39},
     )
-    with short_poll_replica(platform) as (base_url, counts):
+    with replica(platform, long_poll_seconds=LONG_POLL_SECONDS) as (base_url, counts):
         caplog.set_level(logging.DEBUG)  # every record, from every thread of the SDK
         service = tinker.ServiceClient(base_url=base_url, api_key=key)
         training = service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()

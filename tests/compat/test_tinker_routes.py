@@ -209,7 +209,7 @@ def test_publish_lets_another_tenant_load_it_and_unpublish_takes_it_back(world: 
         assert world.file(mine, world.other_key) == world.file(world.shared)
         run = other.get_training_run(loaded.get_info().model_id).result()
         assert run.model_owner == world.other and run.base_model == BASE_MODEL
-        sampler = svc.create_sampling_client(model_path=world.shared)  # sampled directly too
+        sampler = svc.create_sampling_client(model_path=world.shared).result()  # sampled too
         prompt = tinker.types.ModelInput.from_ints([1, 2, 3])
         assert len(sampler.compute_logprobs(prompt).result()) == 3
 

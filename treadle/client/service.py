@@ -37,6 +37,15 @@ class ConfigurationError(ValueError):
     """The SDK is missing a setting (base URL or API key)."""
 
 
+def turn_off_sdk_telemetry() -> None:
+    """Tell the tinker SDK in this process to send no telemetry (TINKER_TELEMETRY=0), unless
+    the user set the variable. Treadle accepts those posts and drops them, so they cost a
+    request and nothing else; and with tinker 0.38 on Python 3.11 the SDK's telemetry task can
+    swallow the cancellation that `close()` waits for, so `close()` never returns
+    (docs/tinker-compatibility.md, "Known SDK faults")."""
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+
 class ServiceClient:
     """Connects to a Treadle platform.
 
@@ -72,6 +81,7 @@ class ServiceClient:
             )
         self.base_url = base_url
         self.api_key = api_key
+        turn_off_sdk_telemetry()
         self._inner = tinker.ServiceClient(
             user_metadata=user_metadata, base_url=base_url, api_key=api_key
         )

@@ -13,6 +13,7 @@ from typing import Any
 import tinker
 
 import treadle
+from treadle.client.service import turn_off_sdk_telemetry
 
 
 @contextlib.contextmanager
@@ -48,6 +49,7 @@ def _client(kind: str, base_url: str, api_key: str) -> Iterator[Any]:
         # platform's first answer can take longer than that.
         os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "60")
         os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "60")
+        turn_off_sdk_telemetry()
         svc = tinker.ServiceClient(base_url=base_url, api_key=api_key)
     else:
         svc = treadle.ServiceClient(base_url=base_url, api_key=api_key)
