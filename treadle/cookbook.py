@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from treadle.client.service import turn_off_sdk_telemetry
 from treadle.client.tokenizer import fetch_tokenizer
 
 try:
@@ -200,12 +201,14 @@ def _add_model_attributes(models: dict[str, model_info.ModelAttributes]) -> None
 
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m treadle.cookbook <recipe module> [args]`: register, then run the recipe's
-    module as `__main__` with `args` as its command line."""
+    module as `__main__` with `args` as its command line. The SDK's telemetry is off unless
+    TINKER_TELEMETRY is set (treadle.client.service.turn_off_sdk_telemetry)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr)
         raise SystemExit(0 if args else 2)
     module, recipe_args = args[0], args[1:]
+    turn_off_sdk_telemetry()  # before the recipe makes its ServiceClient
     register(os.environ.get("TINKER_BASE_URL"), os.environ.get("TINKER_API_KEY"))
     sys.argv = [module, *recipe_args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
