@@ -50,7 +50,7 @@ class _Provider:
 
 async def _closes_in_time(wait: float) -> bool:
     """One object: an event, a flush under way, another event, then `close()`."""
-    telemetry = Telemetry(_Provider(asyncio.get_running_loop()), session_id="s")  # type: ignore[arg-type]
+    telemetry = Telemetry(_Provider(asyncio.get_running_loop()), session_id="s")
     await asyncio.sleep(0.01)
     telemetry.log("first")
     telemetry._trigger_flush()
@@ -67,9 +67,10 @@ async def _closes_in_time(wait: float) -> bool:
 async def _main(objects: int, rounds: int, wait: float) -> None:
     hung = 0
     for index in range(rounds):
-        results = await asyncio.gather(*(_closes_in_time(wait) for _ in range(objects)))
-        hung += results.count(False)
-        print(f"round {index + 1}: {results.count(False)} of {objects} closes hung", flush=True)
+        closed = await asyncio.gather(*(_closes_in_time(wait) for _ in range(objects)))
+        hung_now = closed.count(False)
+        hung += hung_now
+        print(f"round {index + 1}: {hung_now} of {objects} closes hung", flush=True)
     print(f"Python {sys.version.split()[0]}: {hung} of {objects * rounds} closes hung")
 
 

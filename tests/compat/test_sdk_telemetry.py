@@ -16,7 +16,7 @@ import tinker
 
 import treadle
 from tests.conftest import Platform, new_tenant_key
-from tests.served_app import replica
+from tests.served_app import Counts, replica
 
 pytestmark = pytest.mark.integration
 
@@ -43,24 +43,26 @@ def test_the_sdks_telemetry_is_answered_and_logs_no_warning(
     assert loud == []
 
 
+def _answers_to_treadles_sdk(platform: Platform, key: str) -> Counts:
+    """The replica's answers while Treadle's SDK opens a session and closes its client."""
+    with (
+        replica(platform) as (base_url, counts),
+        treadle.ServiceClient(base_url=base_url, api_key=key) as service,
+    ):
+        service.create_lora_training_client(BASE_MODEL, rank=4)
+    return counts
+
+
 def test_treadles_sdk_sends_no_telemetry_unless_asked(
     platform: Platform, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TINKER_TELEMETRY")
     key = new_tenant_key(platform, "telemetry-off")
-    with (
-        replica(platform) as (base_url, counts),
-        treadle.ServiceClient(base_url=base_url, api_key=key) as service,
-    ):
-        service.create_lora_training_client(BASE_MODEL, rank=4)
+    counts = _answers_to_treadles_sdk(platform, key)
     assert counts[("/api/v1/create_session", 200)] == 1, dict(counts)
     assert not [path for path, _ in counts if path == TELEMETRY]
 
     # A user who sets the variable keeps it.
     monkeypatch.setenv("TINKER_TELEMETRY", "1")
-    with (
-        replica(platform) as (base_url, counts),
-        treadle.ServiceClient(base_url=base_url, api_key=key) as service,
-    ):
-        service.create_lora_training_client(BASE_MODEL, rank=4)
+    counts = _answers_to_treadles_sdk(platform, key)
     assert counts[(TELEMETRY, 200)] >= 1, dict(counts)
