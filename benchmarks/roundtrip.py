@@ -9,7 +9,10 @@ Treadle), `--ops` sequential calls of each operation after `--warmup` unmeasured
 same forward through a raw HTTP client (POST, then retrieve_future), which shows what the SDK
 itself adds; and through no HTTP at all: the API's Flask app built in this process against the
 platform's PostgreSQL, Redis and worker, called through Flask's test client, which shows what
-the HTTP server and clients add to the platform's own path. Prints p50 / p90 / p99 in
+the HTTP server and clients add to the platform's own path; and through both SDKs against
+`instant_answers.py`, a server in front of the platform that answers the forward's two requests
+from memory, which shows what the SDK and HTTP take with no platform at all: with the engine's
+forward, a floor that no platform design can go below on this machine. Prints p50 / p90 / p99 in
 milliseconds, and the CPU each process spent per Treadle SDK `forward` (this process, the API,
 the worker, PostgreSQL, Redis; from psutil): on a machine of few cores the round trip is these
 processes taking turns. And, from the worker's operation log, the median queue wait of those
@@ -30,6 +33,7 @@ import os
 import secrets
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,8 +43,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import httpx  # noqa: E402
+import instant_answers  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
+import psycopg  # noqa: E402
 import tinker  # noqa: E402
 from events import cpu_seconds  # noqa: E402
 from peft_baseline import worker_pid  # noqa: E402
@@ -201,6 +208,79 @@ def no_http_forward(
         app.extensions["treadle"].close()
 
 
+@contextlib.contextmanager
+def instant_server(platform: LocalPlatform) -> Iterator[str]:
+    """The base URL of `instant_answers.py` in front of the platform, in a process of its own
+    (as the API is), for the block."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("instant_answers.py")),
+         "--upstream", platform.base_url],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        yield f"http://127.0.0.1:{int(proc.stdout.readline())}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def same_forward(a: Any, b: Any) -> bool:
+    """Whether two `forward` results carry the same loss and logprobs."""
+    return bool(
+        a.metrics == b.metrics
+        and [o["logprobs"].tolist() for o in a.loss_fn_outputs]
+        == [o["logprobs"].tolist() for o in b.loss_fn_outputs]
+    )
+
+
+def instant_forward(
+    sdk: str, url: str, key: str, ops: int, warmup: int
+) -> tuple[tuple[float, float, float], float]:
+    """An SDK's `forward` against instant answers: the first goes through to the platform, every
+    later one is answered from memory (checked to be the same result). Returns its percentiles
+    and the median of the part a platform's execution would overlap (`instant_answers.py`)."""
+    if sdk == "treadle":
+        svc: Any = treadle.ServiceClient(base_url=url, api_key=key)
+        training = svc.create_lora_training_client(BASE_MODEL, rank=8, seed=0)
+    else:
+        svc = tinker.ServiceClient(base_url=url, api_key=key)
+        training = svc.create_lora_training_client(BASE_MODEL, rank=8, seed=0).result()
+    call = operations(training)["forward"]
+    first = call()
+    for _ in range(warmup):
+        call()
+    overlap = f"{url}{instant_answers.OVERLAP}"
+    httpx.get(overlap)  # counts from here
+    result = measure(call, ops, 0)
+    overlap_ms = float(httpx.get(overlap).json()["median_ms"])
+    assert same_forward(call(), first), "instant answers must repeat the platform's"
+    if sdk == "treadle":
+        svc.close()
+    else:
+        svc.close("success").result()
+    return result, overlap_ms
+
+
+def durable_commit(platform: LocalPlatform) -> Callable[[], Any]:
+    """One row inserted and committed on the platform's PostgreSQL, in a table of a scratch
+    database beside the platform's: the least a durable write costs here (an operation needs two,
+    its admission and its settlement). Its connections close when this process ends."""
+    url = json.loads((platform.data_dir / "up.json").read_text())["database_url"]
+    url = url.replace("postgresql+psycopg://", "postgresql://", 1)
+    with psycopg.connect(url, autocommit=True) as admin:
+        admin.execute("CREATE DATABASE roundtrip_commits")
+    conn = psycopg.connect(psycopg.conninfo.make_conninfo(url, dbname="roundtrip_commits"))
+    conn.execute("CREATE TABLE commits (n integer)")  # logged: a temporary table is not
+    conn.commit()
+
+    def call() -> None:
+        conn.execute("INSERT INTO commits VALUES (1)")
+        conn.commit()
+
+    return call
+
+
 def worker_split(
     platform: LocalPlatform, model_id: str, skip: int, count: int
 ) -> tuple[float, float]:
@@ -235,6 +315,7 @@ def main() -> int:
     rows: list[tuple[str, tuple[float, float, float]]] = []
     cpu_ms: dict[str, float] = {}  # per treadle SDK forward, by process
     split_ms = (0.0, 0.0)  # the worker's queue wait and execution of those forwards
+    overlap_ms: dict[str, float] = {}  # per SDK, against instant answers (`instant_forward`)
     rows.append(("in-process engine forward", in_process(args.ops, args.warmup)))
     data_dir = Path(tempfile.mkdtemp(prefix="treadle-roundtrip-bench-"))
     admin_key = "tml-bench-" + secrets.token_hex(8)
@@ -274,6 +355,13 @@ def main() -> int:
                     ("no HTTP (API app in this process)", measure(call, args.ops, args.warmup))
                 )
             wire.http.close()
+
+            rows.append(("durable commit (PostgreSQL)", measure(durable_commit(platform), args.ops,
+                                                                args.warmup)))  # fmt: skip
+            with instant_server(platform) as url:
+                for sdk in ("treadle", "tinker"):
+                    result, overlap_ms[sdk] = instant_forward(sdk, url, key, args.ops, args.warmup)
+                    rows.append((f"{sdk} SDK, instant answers", result))
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
     print(
@@ -287,6 +375,15 @@ def main() -> int:
     for role, ms in cpu_ms.items():
         print(f"  {role:34} {ms:8.2f}")
     print(f"  {'all':34} {sum(cpu_ms.values()):8.2f}")
+    p50 = {name: p for name, (p, _, _) in rows}
+    engine, alone = p50["in-process engine forward"], p50["treadle SDK, instant answers"]
+    commit = p50["durable commit (PostgreSQL)"]
+    print("Floor of a treadle SDK forward here, before the platform's own work (p50s, ms):")
+    print(f"  {'the engine forward':34} {engine:8.2f}")
+    print(f"  {'+ the SDK against instant answers':34} {alone:8.2f}")
+    print(f"  {'- what execution would overlap':34} {overlap_ms['treadle']:8.2f}")
+    print(f"  {'+ two durable commits':34} {2 * commit:8.2f}")
+    print(f"  {'floor':34} {engine + alone - overlap_ms['treadle'] + 2 * commit:8.2f}")
     print("Where a treadle SDK forward waits, from the worker's log (medians, milliseconds):")
     print(f"  {'admission to execution start':34} {split_ms[0]:8.2f}")
     print(f"  {'execution':34} {split_ms[1]:8.2f}")
