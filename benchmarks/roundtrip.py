@@ -262,23 +262,24 @@ def instant_forward(
     return result, overlap_ms
 
 
-def durable_commit(platform: LocalPlatform) -> Callable[[], Any]:
+@contextlib.contextmanager
+def durable_commit(platform: LocalPlatform) -> Iterator[Callable[[], Any]]:
     """One row inserted and committed on the platform's PostgreSQL, in a table of a scratch
-    database beside the platform's: the least a durable write costs here (an operation needs two,
-    its admission and its settlement). Its connections close when this process ends."""
+    database beside the platform's (both go with the embedded platform's data dir): the least a
+    durable write costs here. An operation needs two, its admission and its settlement."""
     url = json.loads((platform.data_dir / "up.json").read_text())["database_url"]
     url = url.replace("postgresql+psycopg://", "postgresql://", 1)
     with psycopg.connect(url, autocommit=True) as admin:
         admin.execute("CREATE DATABASE roundtrip_commits")
-    conn = psycopg.connect(psycopg.conninfo.make_conninfo(url, dbname="roundtrip_commits"))
-    conn.execute("CREATE TABLE commits (n integer)")  # logged: a temporary table is not
-    conn.commit()
-
-    def call() -> None:
-        conn.execute("INSERT INTO commits VALUES (1)")
+    with psycopg.connect(psycopg.conninfo.make_conninfo(url, dbname="roundtrip_commits")) as conn:
+        conn.execute("CREATE TABLE commits (n integer)")  # logged: a temporary table is not
         conn.commit()
 
-    return call
+        def call() -> None:
+            conn.execute("INSERT INTO commits VALUES (1)")
+            conn.commit()
+
+        yield call
 
 
 def worker_split(
@@ -356,8 +357,8 @@ def main() -> int:
                 )
             wire.http.close()
 
-            rows.append(("durable commit (PostgreSQL)", measure(durable_commit(platform), args.ops,
-                                                                args.warmup)))  # fmt: skip
+            with durable_commit(platform) as call:
+                rows.append(("durable commit (PostgreSQL)", measure(call, args.ops, args.warmup)))
             with instant_server(platform) as url:
                 for sdk in ("treadle", "tinker"):
                     result, overlap_ms[sdk] = instant_forward(sdk, url, key, args.ops, args.warmup)
@@ -375,9 +376,9 @@ def main() -> int:
     for role, ms in cpu_ms.items():
         print(f"  {role:34} {ms:8.2f}")
     print(f"  {'all':34} {sum(cpu_ms.values()):8.2f}")
-    p50 = {name: p for name, (p, _, _) in rows}
-    engine, alone = p50["in-process engine forward"], p50["treadle SDK, instant answers"]
-    commit = p50["durable commit (PostgreSQL)"]
+    medians = {name: p50 for name, (p50, _, _) in rows}
+    engine, alone = medians["in-process engine forward"], medians["treadle SDK, instant answers"]
+    commit = medians["durable commit (PostgreSQL)"]
     print("Floor of a treadle SDK forward here, before the platform's own work (p50s, ms):")
     print(f"  {'the engine forward':34} {engine:8.2f}")
     print(f"  {'+ the SDK against instant answers':34} {alone:8.2f}")
