@@ -11,8 +11,9 @@ forward must be the same each time (the round-trip benchmark's is).
 
 `GET /instant/overlap` answers the median, in milliseconds, of the time from each answer to a
 POST from memory to the arrival of the next `retrieve_future` (the client's operations one at a
-time), and starts counting again: the SDK taking the POST's answer and sending for the result. On a real platform that part overlaps the
-operation's execution, so it is not on the round trip's serial path.
+time), and starts counting again. That is the SDK taking the POST's answer and sending for the
+result; on a real platform it overlaps the operation's execution, so it is not on the round
+trip's serial path.
 """
 
 from __future__ import annotations
