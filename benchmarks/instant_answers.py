@@ -1,4 +1,4 @@
-"""A server that answers a `forward`'s two requests at once, for the SDK's own share of a round trip.
+"""A server that answers a `forward`'s two requests at once: the SDK's own share of a round trip.
 
 Run as a process of its own in front of a platform (`python benchmarks/instant_answers.py
 --upstream URL`; it prints its port): every request goes on to the platform, except that once one
