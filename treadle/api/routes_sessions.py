@@ -8,6 +8,7 @@ Redis answer and at least one worker heartbeated within the lease TTL, else 503.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from flask import Blueprint, jsonify
@@ -60,13 +61,18 @@ def _first_line(exc: Exception) -> str:
 def client_config() -> Any:
     # Plain HTTP/1.1 with httpx; results are long-polled. forward_backward chunks stay within
     # the body limit (the SDK's estimate leaves out framing, hence half) and are sent uncompressed
-    # (zstd bodies are refused); the SDK's defaults otherwise hold.
+    # (zstd bodies are refused). A request refused for money (402) is retried every 5 s for
+    # the operator's billing pause (whole seconds: the SDK reads an int), then raised; with the
+    # default 0 a loop ends after one retry instead of the SDK's hour. Its defaults otherwise
+    # hold.
+    config = services().config
     return jsonify(
         use_pyqwest_transport=False,
         pjwt_auth_enabled=False,
         proto_compress_fwdbwd=False,
         fwdbwd_max_chunk_len=validation.FWDBWD_MAX_CHUNK_LEN,
-        fwdbwd_max_chunk_bytes_count=services().config.fwdbwd_chunk_bytes,
+        fwdbwd_max_chunk_bytes_count=config.fwdbwd_chunk_bytes,
+        billing_exception_max_pause_duration_sec=math.ceil(config.billing_pause_seconds),
     )
 
 

@@ -5,6 +5,7 @@ SamplingClient) with SageMaker-style ergonomics. Imports nothing from the server
 
 from tinker.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
+from treadle.client.refusals import QuotaExceededError
 from treadle.client.sampling import SamplingClient
 from treadle.client.service import ConfigurationError, ServiceClient
 from treadle.client.training import TrainingClient
@@ -14,6 +15,7 @@ __all__ = [
     "ConfigurationError",
     "Datum",
     "ModelInput",
+    "QuotaExceededError",
     "SamplingClient",
     "SamplingParams",
     "ServiceClient",

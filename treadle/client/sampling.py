@@ -11,6 +11,7 @@ from typing import Any
 import tinker
 from tinker import types
 
+from treadle.client.refusals import translated
 from treadle.client.tokenizer import fetch_tokenizer
 
 
@@ -52,18 +53,21 @@ class SamplingClient:
             sampling_params: max_tokens, temperature, top_k, top_p, stop, seed.
             include_prompt_logprobs: also return each prompt token's logprob.
         Raises:
-            tinker.RequestFailedError (from .result()) when the server rejects the request.
+            tinker.RequestFailedError (from .result()) when the server rejects the request;
+            treadle.QuotaExceededError (from .result()) when a budget is spent.
         """
-        return self._inner.sample(
-            as_model_input(prompt),
-            num_samples=num_samples,
-            sampling_params=sampling_params or types.SamplingParams(),
-            include_prompt_logprobs=include_prompt_logprobs,
+        return translated(
+            self._inner.sample(
+                as_model_input(prompt),
+                num_samples=num_samples,
+                sampling_params=sampling_params or types.SamplingParams(),
+                include_prompt_logprobs=include_prompt_logprobs,
+            )
         )
 
     def compute_logprobs(self, prompt: Sequence[int] | types.ModelInput) -> Any:
         """Future of each prompt token's logprob given its prefix (the first is None)."""
-        return self._inner.compute_logprobs(as_model_input(prompt))
+        return translated(self._inner.compute_logprobs(as_model_input(prompt)))
 
     def get_tokenizer(self) -> Any:
         return fetch_tokenizer(self._base_url, self._api_key, self.base_model)

@@ -26,6 +26,7 @@ from treadle.client.audit import AuditClient
 from treadle.client.billing import BillingClient, UsageReport
 from treadle.client.checkpoints import CheckpointsClient
 from treadle.client.lineage import Replay, ReplayReport
+from treadle.client.refusals import refusals_translated
 from treadle.client.rest import segment
 from treadle.client.sampling import SamplingClient
 from treadle.client.training import TrainingClient
@@ -290,17 +291,20 @@ class ServiceClient:
                 holder, model_seq_id=model_seq_id, model_id=response.model_id, info=info
             )
 
-        return holder.run_coroutine_threadsafe(create()).result()
+        with refusals_translated():
+            return holder.run_coroutine_threadsafe(create()).result()
 
     def create_training_client_from_state(self, path: str) -> TrainingClient:
         """A new training session with a checkpoint's weights and a fresh optimizer."""
-        return self._wrap(self._inner.create_training_client_from_state(path).result())
+        with refusals_translated():
+            inner = self._inner.create_training_client_from_state(path).result()
+        return self._wrap(inner)
 
     def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
         """A new training session resuming a checkpoint exactly: weights and optimizer state."""
-        return self._wrap(
-            self._inner.create_training_client_from_state_with_optimizer(path).result()
-        )
+        with refusals_translated():
+            inner = self._inner.create_training_client_from_state_with_optimizer(path).result()
+        return self._wrap(inner)
 
     def _wrap(self, inner: tinker.TrainingClient) -> TrainingClient:
         info = inner.get_info()
@@ -316,9 +320,10 @@ class ServiceClient:
         self, model_path: str | None = None, *, base_model: str | None = None
     ) -> SamplingClient:
         """A sampler on a saved checkpoint (`tinker://...`) or on a bare base model."""
-        inner = self._inner.create_sampling_client(
-            model_path=model_path, base_model=base_model
-        ).result()
+        with refusals_translated():
+            inner = self._inner.create_sampling_client(
+                model_path=model_path, base_model=base_model
+            ).result()
         return SamplingClient(
             inner,
             base_url=self.base_url,

@@ -21,6 +21,7 @@ from tinker.lib.api_future_impl import _APIFuture
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 
 from treadle.client.billing import BillingClient, SessionUsage
+from treadle.client.refusals import refusals_translated, translated
 from treadle.client.sampling import SamplingClient
 from treadle.client.tokenizer import fetch_tokenizer
 
@@ -66,9 +67,11 @@ class TrainingClient:
             loss_fn: the loss name, e.g. "cross_entropy".
             loss_fn_config: numeric options of the loss (e.g. PPO clip thresholds).
         Raises:
-            tinker.RequestFailedError (from .result()) when the server rejects the operation.
+            tinker.RequestFailedError (from .result()) when the server rejects the operation;
+            treadle.QuotaExceededError (from .result()) when a budget is spent.
         """
-        return self._inner.forward_backward(list(data), loss_fn, loss_fn_config)  # type: ignore[arg-type]
+        future = self._inner.forward_backward(list(data), loss_fn, loss_fn_config)  # type: ignore[arg-type]
+        return translated(future)
 
     def forward(
         self,
@@ -77,11 +80,12 @@ class TrainingClient:
         loss_fn_config: dict[str, float] | None = None,
     ) -> Any:
         """Like forward_backward, with no gradient and no state change."""
-        return self._inner.forward(list(data), loss_fn, loss_fn_config)  # type: ignore[arg-type]
+        future = self._inner.forward(list(data), loss_fn, loss_fn_config)  # type: ignore[arg-type]
+        return translated(future)
 
     def optim_step(self, adam_params: types.AdamParams | None = None) -> Any:
         """Apply the accumulated gradients with Adam; returns a future of OptimStepResponse."""
-        return self._inner.optim_step(adam_params or types.AdamParams())
+        return translated(self._inner.optim_step(adam_params or types.AdamParams()))
 
     def save_state(self, name: str, ttl_seconds: int | None = None) -> Any:
         """Save adapter + optimizer state as `tinker://<model id>/weights/<name>` (resumable).
@@ -89,17 +93,17 @@ class TrainingClient:
         Returns a future of SaveWeightsResponse (its `.path`). Each save is registered as a new
         version of the session's model package group.
         """
-        return self._inner.save_state(name, ttl_seconds=ttl_seconds)
+        return translated(self._inner.save_state(name, ttl_seconds=ttl_seconds))
 
     def load_state(self, path: str) -> Any:
         """Load a training checkpoint's weights into this session (fresh optimizer state)."""
         with _supported_by_treadle():
-            return self._inner.load_state(path)
+            return translated(self._inner.load_state(path))
 
     def load_state_with_optimizer(self, path: str) -> Any:
         """Load a training checkpoint's weights and optimizer state into this session."""
         with _supported_by_treadle():
-            return self._inner.load_state_with_optimizer(path)
+            return translated(self._inner.load_state_with_optimizer(path))
 
     def save_weights_for_sampler(
         self, name: str, *, merge_weights: bool = False, ttl_seconds: int | None = None
@@ -111,8 +115,8 @@ class TrainingClient:
         with `treadle checkpoints download PATH DIR`. Returns a future whose `.path` is the path.
         """
         if not merge_weights:
-            return self._inner.save_weights_for_sampler(name, ttl_seconds=ttl_seconds)
-        return self._save_merged(name, ttl_seconds)
+            return translated(self._inner.save_weights_for_sampler(name, ttl_seconds=ttl_seconds))
+        return translated(self._save_merged(name, ttl_seconds))
 
     def _save_merged(self, name: str, ttl_seconds: int | None) -> Any:
         inner = self._inner
@@ -154,7 +158,8 @@ class TrainingClient:
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Snapshot the current weights and return a SamplingClient on them (waits for the save)."""
-        inner = self._inner.save_weights_and_get_sampling_client().result()
+        with refusals_translated():
+            inner = self._inner.save_weights_and_get_sampling_client().result()
         return SamplingClient(
             inner, base_url=self._base_url, api_key=self._api_key, base_model=self.base_model
         )

@@ -57,6 +57,14 @@ class PlatformConfig:
     metering: bool = True
     # A client session that has not heartbeated this long expires with its sessions (0: never).
     session_idle_seconds: float = 1800.0
+    # How long the tinker SDK keeps retrying a request refused for money (402) before it gives
+    # up with the refusal (client/config's billing_exception_max_pause_duration_sec). 0: it
+    # retries once, 5 s later, then ends the loop; raise it to let an operator's quota raise
+    # resume a paused loop.
+    billing_pause_seconds: float = 0.0
+    # A sequence sampled with record_stability_info is kept this long after its last use (its
+    # recording, or a training datum that names it); then provenance naming it is refused.
+    recorded_sample_ttl_seconds: float = 86400.0
     prices_file: Path | None = None  # default prices (TOML); None: the one shipped with Treadle
     # The largest request body the API reads (413 beyond it). forward_backward is the only big
     # one; the tinker SDK is told (client/config) to keep its chunks within half of it.
@@ -124,6 +132,10 @@ class PlatformConfig:
             debug_faults=env.get("TREADLE_DEBUG_FAULTS", "") == "1",
             metering=env.get("TREADLE_METERING", "1") != "0",
             session_idle_seconds=_number(env, "TREADLE_SESSION_IDLE_SECONDS", 1800.0),
+            billing_pause_seconds=_number(env, "TREADLE_BILLING_PAUSE_SECONDS", 0.0),
+            recorded_sample_ttl_seconds=_number(
+                env, "TREADLE_RECORDED_SAMPLE_TTL_SECONDS", 86400.0
+            ),
             prices_file=Path(env["TREADLE_PRICES_FILE"])
             if env.get("TREADLE_PRICES_FILE")
             else None,
@@ -163,6 +175,8 @@ class PlatformConfig:
             "TREADLE_AUTO_CHECKPOINT_KEEP": str(self.auto_checkpoint_keep),
             "TREADLE_OP_TIME_LIMIT_SECONDS": str(self.op_time_limit_seconds),
             "TREADLE_GAP_TIMEOUT_SECONDS": str(self.gap_timeout_seconds),
+            "TREADLE_BILLING_PAUSE_SECONDS": str(self.billing_pause_seconds),
+            "TREADLE_RECORDED_SAMPLE_TTL_SECONDS": str(self.recorded_sample_ttl_seconds),
             "TREADLE_API_THREADS": str(self.api_threads),
             "TREADLE_MAX_BODY_BYTES": str(self.max_body_bytes),
             "TREADLE_MAX_LOADED_ADAPTERS": str(self.max_loaded_adapters),
