@@ -180,10 +180,16 @@ def test_sampling_options_out_of_bounds_are_refused_by_name(
         sampler.sample(MODEL_INPUT, 1, ONE_TOKEN, **kwargs).result()  # type: ignore[arg-type]
 
 
-def test_record_stability_info_is_refused_by_name(training: tinker.TrainingClient) -> None:
+def test_a_recording_sampler_samples_as_any_other(training: tinker.TrainingClient) -> None:
+    """record_stability_info records the sequences (tests/compat/test_stability_info.py) and
+    changes nothing of what is sampled."""
     recording = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
-    with pytest.raises(tinker.BadRequestError, match="record_stability_info"):
-        recording.sample(MODEL_INPUT, 1, ONE_TOKEN).result()
+    params = types.SamplingParams(max_tokens=4, seed=11, temperature=1.0)
+    plain = training.save_weights_and_get_sampling_client().result()
+    recorded = recording.sample(MODEL_INPUT, 2, params).result().sequences
+    expected = plain.sample(MODEL_INPUT, 2, params).result().sequences
+    assert [s.tokens for s in recorded] == [s.tokens for s in expected]
+    assert all(s.sequence_id for s in recorded)
 
 
 # -- losses -------------------------------------------------------------------------------------
@@ -252,7 +258,7 @@ def test_per_token_clip_thresholds_are_served(training: tinker.TrainingClient) -
 @pytest.mark.parametrize(
     ("loss_fn", "extra", "named"),
     [
-        ("stable_reinforce", {}, "stable_reinforce"),
+        ("stable_reinforce", {}, "datum 0 has no provenance"),
         ("gspo", {}, "sequence_ratio_mask"),
         ("ppo", {"sequence_ratio_mask": [1.0] * 7}, "sequence_ratio_mask"),
         ("gspo", {"sequence_ratio_mask": [0.0] * 7}, "sequence_ratio_mask marks no token"),
@@ -268,13 +274,17 @@ def test_losses_the_server_cannot_serve_as_sent_are_refused_by_name(
         training.forward_backward([datum], loss_fn).result()  # type: ignore[arg-type]
 
 
-def test_provenance_is_refused_by_name(training: tinker.TrainingClient) -> None:
+def test_provenance_is_ignored_by_a_loss_that_does_not_read_it(
+    training: tinker.TrainingClient,
+) -> None:
     datum = types.Datum(
         model_input=types.ModelInput.from_ints(PROMPT[:-1]),
         loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [1.0] * 7},
-    ).with_provenance(
+    )
+    spanned = datum.with_provenance(
         model_input=[types.PromptProvenanceSpan(sequence_id="seq-0", length=7)],
         loss_fn_inputs=[types.SampledProvenanceSpan(sequence_id="seq-0", length=7)],
     )
-    with pytest.raises(tinker.BadRequestError, match="model_input_spans"):
-        training.forward_backward([datum], "cross_entropy").result()
+    with_spans = training.forward([spanned], "cross_entropy").result()
+    without = training.forward([datum], "cross_entropy").result()
+    assert with_spans.metrics["loss:sum"] == pytest.approx(without.metrics["loss:sum"])

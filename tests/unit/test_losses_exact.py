@@ -363,7 +363,7 @@ def _rl_datum(**extra: Sequence[float]) -> EngineDatum:
 @pytest.mark.parametrize(
     ("loss_fn", "datum", "message"),
     [
-        ("stable_reinforce", _rl_datum(), "'stable_reinforce' is not served"),
+        ("stable_reinforce", _rl_datum(), "names no recorded sequence"),
         ("custom", _rl_datum(), "'custom'"),
         ("ppo", _rl_datum(sequence_ratio_mask=(1, 1, 1)), r"\['sequence_ratio_mask'\]"),
         ("importance_sampling", _rl_datum(clip_low_threshold=(0.8,) * 3), "does not read"),
@@ -388,7 +388,7 @@ def _rl_datum(**extra: Sequence[float]) -> EngineDatum:
         ("ppo", _rl_datum(clip_low_threshold=(0.8, 1.5, 0.8)), "clip_low_threshold = 1.5"),
     ],
     ids=[
-        "stable-reinforce",
+        "stable-reinforce-unrecorded",
         "custom",
         "ppo-extra-input",
         "is-clip-input",
@@ -411,3 +411,103 @@ def test_loss_inputs_are_served_or_refused_by_name(
         return
     with pytest.raises(ValidationError, match=message):
         engine.forward_backward(adapter, [datum], loss_fn, forward_only=True)
+
+
+# -- stable_reinforce (Treadle's definition, docs/losses-and-sampling.md) --------------------
+
+SR_TOL = 1e-6  # the issue's bound: loss and grads within 1e-6 of the reference below
+
+
+def stable_reinforce_reference(
+    lp_T: torch.Tensor,
+    sampler_lp_T: Sequence[float | None],
+    advantages_T: Sequence[float],
+    truncation: float = 2.0,
+    mask_low: float = 0.0,
+    mask_high: float = 10.0,
+) -> torch.Tensor:
+    """Written out per token: a sampled target's weight is its importance ratio against the
+    recorded sampler logprob, capped at `truncation`, 0 outside [mask_low, mask_high], held
+    constant; the token's loss is -weight * A * lp. A prompt target (None) contributes 0."""
+    losses = []
+    for t, q in enumerate(sampler_lp_T):
+        if q is None:
+            losses.append(lp_T[t] * 0.0)
+            continue
+        ratio = float(np.exp(float(lp_T[t].detach()) - q))
+        weight = min(ratio, truncation) if mask_low <= ratio <= mask_high else 0.0
+        losses.append(-weight * advantages_T[t] * lp_T[t])
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize(
+    ("ratios", "advantages", "config"),
+    [
+        ((1.0, 1.0, 1.0), (1.0, -0.5, 0.7), {}),  # on-policy: plain REINFORCE
+        ((3.0, 0.5, 20.0), (1.0, -1.0, 0.7), {}),  # stale: truncated, kept, masked
+        ((None, 1.7, 0.2), (0.0, -1.0, 2.0), {"mask_low_threshold": 0.3}),  # a prompt target
+        (
+            (4.0, 1.5, 60.0),
+            (0.5, 1.0, -1.0),
+            {"truncation_threshold": 5.0, "mask_high_threshold": 50.0},
+        ),  # fmt: skip
+    ],
+    ids=["on-policy", "stale", "prompt-target", "config"],
+)
+def test_stable_reinforce_matches_the_written_out_reference(
+    engine: Engine,
+    cache_dir: Path,
+    ratios: Sequence[float | None],
+    advantages: Sequence[float],
+    config: dict[str, float],
+) -> None:
+    adapter, hand = prepared_adapter(engine, seed=23)
+    lp_T = reference_logprobs(cache_dir, TOKENS, TARGETS, hand)
+    # The recorded sampler logprobs that put each sampled target's ratio where `ratios` says.
+    sampler_lp = [
+        None if r is None else float(lp_T[t].detach()) - float(np.log(r))
+        for t, r in enumerate(ratios)
+    ]
+    inputs = {
+        "target_tokens": np.asarray(TARGETS, np.int64),
+        "advantages": np.asarray(advantages, np.float32),
+        "logprobs": np.full(3, 5.0, np.float32),  # the client's: ignored
+    }
+    recorded = np.asarray([np.nan if q is None else q for q in sampler_lp], np.float32)
+    datum = EngineDatum(TOKENS, inputs, sampler_logprobs=recorded)
+    # the reference reads the float32 values the engine reads
+    recorded_values = [None if np.isnan(q) else float(q) for q in recorded]
+    expected_T = stable_reinforce_reference(lp_T, recorded_values, advantages, *_sr_config(config))
+
+    out = engine.forward_backward(adapter, [datum], "stable_reinforce", config)
+
+    assert out.metrics["loss:sum"] == pytest.approx(
+        float(expected_T.detach().sum()), rel=SR_TOL, abs=SR_TOL
+    )
+    np.testing.assert_allclose(
+        out.outputs[0]["elementwise_loss"], expected_T.detach(), rtol=SR_TOL, atol=SR_TOL
+    )
+    expected_grads = hand.grads(expected_T.sum())
+    grads = engine.adapter_grads(adapter)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        np.testing.assert_allclose(grads[name], grad, rtol=SR_TOL, atol=SR_TOL)
+    assert max(float(np.abs(g).max()) for g in expected_grads.values()) > 1e-3
+
+
+def _sr_config(config: dict[str, float]) -> tuple[float, float, float]:
+    return (
+        config.get("truncation_threshold", 2.0),
+        config.get("mask_low_threshold", 0.0),
+        config.get("mask_high_threshold", 10.0),
+    )
+
+
+def test_stable_reinforce_refuses_an_advantage_on_a_prompt_target(engine: Engine) -> None:
+    datum = EngineDatum(
+        TOKENS,
+        {"target_tokens": np.asarray(TARGETS, np.int64), "advantages": np.ones(3, np.float32)},
+        sampler_logprobs=np.asarray([np.nan, -1.0, -1.0], np.float32),
+    )
+    with pytest.raises(ValidationError, match=r"advantages\[0\] is nonzero .* prompt token"):
+        engine.forward_backward(new_adapter(engine), [datum], "stable_reinforce")

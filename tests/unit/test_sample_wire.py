@@ -85,16 +85,39 @@ def test_last_n_prompt_logprobs_are_nan_before_the_tail() -> None:
     assert response.topk_prompt_logprobs == [None, None, [(3, -1.0)], [(4, -2.0)]]
 
 
-def test_a_datum_with_provenance_is_refused_by_name() -> None:
+def test_a_datums_provenance_spans_are_read_in_order() -> None:
     from tinker.proto import tinker_public_pb2 as pb
 
     datum = pb.Datum(
         model_input=[pb.Chunk(encoded_text=pb.EncodedTextChunk(tokens=b"\x01\x00\x00\x00"))],
         model_input_spans=[
-            pb.ProvenanceSpan(prompt_tokens=pb.PromptProvenanceSpan(sequence_id="s", length=1))
+            pb.ProvenanceSpan(prompt_tokens=pb.PromptProvenanceSpan(sequence_id="r:0", length=1))
+        ],
+        loss_fn_input_spans=[
+            pb.ProvenanceSpan(
+                sampled_tokens=pb.SampledProvenanceSpan(sequence_id="r:0", offset=2, length=1)
+            )
         ],
     )
-    with pytest.raises(ValidationError, match="model_input_spans"):
+    assert _datum(0, datum, _Budget(1000))["provenance"] == {
+        "model_input": [{"kind": "prompt", "sequence_id": "r:0", "offset": 0, "length": 1}],
+        "targets": [{"kind": "sampled", "sequence_id": "r:0", "offset": 2, "length": 1}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("span", "says"),
+    [
+        ({}, "entry is empty"),
+        ({"prompt_tokens": {"sequence_id": "", "length": 1}}, "no valid sequence_id"),
+        ({"sampled_tokens": {"sequence_id": "r:0", "length": -1}}, "may be negative"),
+    ],
+)
+def test_a_malformed_provenance_span_is_refused_by_name(span: dict, says: str) -> None:
+    from tinker.proto import tinker_public_pb2 as pb
+
+    datum = pb.Datum(model_input_spans=[pb.ProvenanceSpan(**span)])
+    with pytest.raises(ValidationError, match=f"datum 0: .*{says}"):
         _datum(0, datum, _Budget(1000))
 
 

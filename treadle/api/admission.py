@@ -47,7 +47,7 @@ def submit(
     payload: Payload,
     *,
     sampler_id: str | None = None,
-    with_request: Callable[[sa.Connection], None] | None = None,
+    with_request: Callable[[sa.Connection, operations.Admission], None] | None = None,
     on_admitted: Callable[[operations.Admission], None] | None = None,
 ) -> operations.Admission:
     """Submit the caller's operation (see `commands.submit`). This process's notice hub

@@ -27,7 +27,7 @@ from treadle.api.schemas import (
     parse,
 )
 from treadle.api.schemas_tinker_extras import SaveWeightsExternal
-from treadle.platform import checkpoints, commands, optypes, publishing, storage
+from treadle.platform import checkpoints, commands, operations, optypes, publishing, storage
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import NotFoundError, ValidationError
 
@@ -117,7 +117,7 @@ def save_weights_for_sampler() -> Any:
     # replaces: earlier inflight samplers adopt the newer weights, a new one starts on them.
     snapshot = optypes.inflight_snapshot_id(session.id) if inflight else sampler
 
-    def create_sampler(conn: sa.Connection) -> None:
+    def create_sampler(conn: sa.Connection, _: operations.Admission) -> None:
         sessions_core.create_sampler(
             conn,
             principal(),

@@ -14,7 +14,15 @@ from flask import Blueprint, jsonify
 from treadle.api.admission import submit
 from treadle.api.context import json_body, principal, services
 from treadle.api.schemas import CreateSamplingSession, PromptIdTable, Sample, parse
-from treadle.platform import catalog, commands, optypes, publishing, validation
+from treadle.platform import (
+    catalog,
+    commands,
+    operations,
+    optypes,
+    publishing,
+    recorded_samples,
+    validation,
+)
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError
 
@@ -83,12 +91,6 @@ def asample() -> Any:
         raise ValidationError(
             "asample needs sampling_session_id; create one with create_sampling_session"
         )
-    if body.record_stability_info:
-        raise ValidationError(
-            "record_stability_info is not supported: it records sampled sequences for the "
-            "stable_reinforce loss, which this server does not serve; create the sampling "
-            "client without record_stability_info"
-        )
     if body.topk_prompt_logprobs > validation.MAX_TOPK_LOGPROBS:
         raise ValidationError(
             f"topk_prompt_logprobs must be at most {validation.MAX_TOPK_LOGPROBS}"
@@ -135,8 +137,26 @@ def asample() -> Any:
         target_prompt_logprobs=None if targets is None else _prompt_targets(targets),
         prompt_alt_tokens_k=body.prompt_alt_tokens_k,
         topk_sample_logprobs=body.topk_sample_logprobs,
+        record_stability_info=bool(body.record_stability_info),
     )
-    admission = submit(sampler.session_id, body.seq_id, payload, sampler_id=sampler.id)
+    with_request = None
+    if payload.record_stability_info:
+        ttl = services().config.recorded_sample_ttl_seconds
+
+        def with_request(conn: sa.Connection, admission: operations.Admission) -> None:
+            recorded_samples.record(
+                conn,
+                principal(),
+                request_id=admission.request_id,
+                sampler_id=sampler.id,
+                prompt=tokens,
+                num_samples=body.num_samples,
+                ttl_seconds=ttl,
+            )
+
+    admission = submit(
+        sampler.session_id, body.seq_id, payload, sampler_id=sampler.id, with_request=with_request
+    )
     return jsonify(
         request_id=admission.request_id,
         sample_sequence_ids=[f"{admission.request_id}:{i}" for i in range(body.num_samples)],

@@ -6,15 +6,25 @@ future `{request_id, model_id}` resolved through retrieve_future. Imports platfo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import sqlalchemy as sa
 from flask import Blueprint, jsonify, request
 
 from treadle.api.admission import expect_seq, parse_training, submit
 from treadle.api.context import base_model_of, json_body, principal, services
 from treadle.api.schemas import CreateModel, ModelRef, OptimStep, parse
 from treadle.api.wire import decode_forward_backward
-from treadle.platform import catalog, commands, optypes, prices, validation
+from treadle.platform import (
+    catalog,
+    commands,
+    operations,
+    optypes,
+    prices,
+    recorded_samples,
+    validation,
+)
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError
 
@@ -94,9 +104,42 @@ def forward_backward() -> Any:
     model_id, payload = decoded["model_id"], decoded["payload"]
     if decoded["seq_id"] < 1:
         raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
-    validation.validate_forward_backward(payload, catalog.get_base_model(base_model_of(model_id)))
-    admission = submit(model_id, decoded["seq_id"], optypes.ForwardBackward.model_validate(payload))
+    spec = validation.validate_forward_backward(
+        payload, catalog.get_base_model(base_model_of(model_id))
+    )
+    with_request = None
+    if spec.reads_provenance:
+        with_request = _with_provenance(model_id, payload["data"])
+        validation.validate_sampled_advantages(payload["data"], spec)
+    else:  # a loss that does not read provenance ignores it
+        for datum in payload["data"]:
+            datum.pop("provenance", None)
+    admission = submit(
+        model_id,
+        decoded["seq_id"],
+        optypes.ForwardBackward.model_validate(payload),
+        with_request=with_request,
+    )
     return jsonify(request_id=admission.request_id, model_id=model_id)
+
+
+def _with_provenance(
+    model_id: str, data: list[dict[str, Any]]
+) -> Callable[[sa.Connection, operations.Admission], None]:
+    """Check every datum's provenance against the recorded sequences and put the recorded
+    sampler logprobs in it; what marks those records used in the admission's transaction."""
+    svc, who = services(), principal()
+    ttl = svc.config.recorded_sample_ttl_seconds
+    with svc.db.connect() as conn:
+        session = sessions_core.get_session(conn, who, model_id)
+        logprobs, used = recorded_samples.resolve(conn, who, session, data, ttl_seconds=ttl)
+    for datum, sampler_logprobs in zip(data, logprobs, strict=True):
+        datum["provenance"]["sampler_logprobs"] = sampler_logprobs
+
+    def touch(conn: sa.Connection, _: operations.Admission) -> None:
+        recorded_samples.touch(conn, used, ttl_seconds=ttl)
+
+    return touch
 
 
 @bp.post("/api/v1/optim_step")

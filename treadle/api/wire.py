@@ -203,12 +203,6 @@ class _Budget:
 
 
 def _datum(index: int, d: pb.Datum, budget: _Budget) -> dict[str, Any]:
-    if d.model_input_spans or d.loss_fn_input_spans:
-        raise ValidationError(
-            f"datum {index} carries provenance (model_input_spans / loss_fn_input_spans, from "
-            "Datum.with_provenance); this server records no sampled sequences to check it "
-            "against and no loss it serves reads it: send the datum without with_provenance"
-        )
     parts: list[np.ndarray[Any, Any]] = []
     for chunk in d.model_input:
         kind = chunk.WhichOneof("chunk")
@@ -232,7 +226,38 @@ def _datum(index: int, d: pb.Datum, budget: _Budget) -> dict[str, Any]:
         name: _tensor(f"datum {index}: loss_fn_inputs[{name!r}]", t, len(tokens), budget)
         for name, t in d.loss_fn_inputs.items()
     }
-    return {"tokens": tokens, "loss_fn_inputs": inputs}
+    datum: dict[str, Any] = {"tokens": tokens, "loss_fn_inputs": inputs}
+    if d.model_input_spans or d.loss_fn_input_spans:
+        datum["provenance"] = {
+            "model_input": [_span(index, "model_input_spans", s) for s in d.model_input_spans],
+            "targets": [_span(index, "loss_fn_input_spans", s) for s in d.loss_fn_input_spans],
+        }
+    return datum
+
+
+def _span(index: int, field: str, span: pb.ProvenanceSpan) -> dict[str, Any]:
+    """A provenance span as {kind, sequence_id, offset, length}; its claims are checked against
+    the recorded sequences later (platform.recorded_samples)."""
+    kind = span.WhichOneof("span")
+    if kind is None:
+        raise ValidationError(
+            f"datum {index}: a {field} entry is empty; each span is prompt_tokens or "
+            "sampled_tokens (Datum.with_provenance builds them)"
+        )
+    arm = getattr(span, kind)
+    if not arm.sequence_id or "\x00" in arm.sequence_id:
+        raise ValidationError(f"datum {index}: a {field} entry has no valid sequence_id")
+    if arm.offset < 0 or arm.length < 0:
+        raise ValidationError(
+            f"datum {index}: a {field} entry has offset {arm.offset} and length {arm.length}; "
+            "neither may be negative"
+        )
+    return {
+        "kind": "prompt" if kind == "prompt_tokens" else "sampled",
+        "sequence_id": arm.sequence_id,
+        "offset": int(arm.offset),
+        "length": int(arm.length),
+    }
 
 
 def _tensor(where: str, t: pb.Tensor, n_tokens: int, budget: _Budget) -> dict[str, Any]:

@@ -138,6 +138,11 @@ def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
                 name: np.asarray(t.data, dtype=t.dtype).reshape(t.shape)
                 for name, t in d.loss_fn_inputs.items()
             },
+            sampler_logprobs=None
+            if d.provenance is None
+            else np.array(
+                [np.nan if q is None else q for q in d.provenance.sampler_logprobs], np.float32
+            ),
         )
         for d in p.data
     ]

@@ -1,7 +1,7 @@
 """Training losses, by name, and the validation of the data they consume.
 
 Owns `EngineDatum`, the loss functions (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
-`dro`, `gspo`; their names, inputs and config ranges are `treadle.platform.losses`'), every check
+`dro`, `gspo`, `stable_reinforce`; their names, inputs and config ranges are `treadle.platform.losses`'), every check
 on a datum's tokens and `loss_fn_inputs`, and the padded batch forward pass that turns validated
 data into logprobs and losses. A loss maps the target-token logprobs `lp` of the current model to
 an elementwise loss; the total is its sum over tokens and datums (normalising is the client's
@@ -56,10 +56,14 @@ Compute = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
 @dataclass(frozen=True)
 class EngineDatum:
     """Input tokens (already flattened) and named per-token arrays, e.g. `target_tokens` int64
-    [T] and `weights` float32 [T]; position i of `tokens` predicts `target_tokens[i]`."""
+    [T] and `weights` float32 [T]; position i of `tokens` predicts `target_tokens[i]`.
+    `sampler_logprobs` (float32 [T], NaN where the target was not sampled) is what the platform
+    recorded for the sequences the datum's provenance names; only losses that read provenance
+    take it."""
 
     tokens: tuple[int, ...]
     loss_fn_inputs: Mapping[str, np.ndarray]
+    sampler_logprobs: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,18 @@ def _gspo(lp_B_T: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Te
     return -torch.minimum(ratio_B_T * advantages_B_T, _clip(ratio_B_T, x) * advantages_B_T)
 
 
+def _stable_reinforce(lp: Tensor, x: Mapping[str, Tensor], c: Mapping[str, float]) -> Tensor:
+    """Treadle's stable_reinforce: on each sampled token, REINFORCE (-A * lp) weighted by the
+    stop-gradient importance ratio r = exp(lp - q) against the recorded sampler logprob q,
+    truncated at truncation_threshold and 0 outside [mask_low_threshold, mask_high_threshold].
+    Prompt tokens (sampled_mask 0) contribute nothing."""
+    sampled = x["sampled_mask"] != 0
+    ratio = torch.exp(lp.detach() - x["sampler_logprobs"])
+    kept = sampled & (ratio >= c["mask_low_threshold"]) & (ratio <= c["mask_high_threshold"])
+    weight = torch.where(kept, torch.clamp(ratio, max=c["truncation_threshold"]), 0.0)
+    return -weight * x["advantages"] * lp
+
+
 _COMPUTE: dict[str, Compute] = {
     "cross_entropy": _cross_entropy,
     "importance_sampling": _importance_sampling,
@@ -132,6 +148,7 @@ _COMPUTE: dict[str, Compute] = {
     "cispo": _cispo,
     "dro": _dro,
     "gspo": _gspo,
+    "stable_reinforce": _stable_reinforce,
 }
 assert set(_COMPUTE) == set(LOSS_SPECS), "every specified loss needs exactly one compute function"
 
@@ -198,7 +215,11 @@ def _validate_datum(
             f"datum {i}: loss_fn_inputs has {unknown}, which loss {loss.name!r} does not read; "
             f"remove them (it reads {list(loss.spec.accepted_inputs)})"
         )
+    if loss.spec.reads_provenance:
+        arrays.update(_recorded_arrays(i, datum, loss, n_tokens))
     for name in loss.spec.accepted_inputs:
+        if name in loss.spec.ignored_inputs:
+            continue
         if name not in datum.loss_fn_inputs:
             arrays[name] = np.full(n_tokens, config[name], np.float32)
             continue
@@ -221,6 +242,37 @@ def _validate_datum(
             )
         arrays[name] = value.astype(np.float32)
     return arrays
+
+
+def _recorded_arrays(
+    i: int, datum: EngineDatum, loss: LossFn, n_tokens: int
+) -> dict[str, np.ndarray]:
+    """`sampler_logprobs` (0 where not sampled) and `sampled_mask` from the recorded logprobs
+    the API resolved from the datum's provenance; a nonzero advantage on a target that was not
+    sampled is refused (it has no sampler logprob to weigh it by)."""
+    recorded = datum.sampler_logprobs
+    if recorded is None:
+        raise ValidationError(
+            f"datum {i}: loss {loss.name!r} reads the sampler logprobs the platform recorded, "
+            "and this datum names no recorded sequence; build it with Datum.with_provenance"
+        )
+    recorded = np.asarray(recorded, np.float32)
+    if recorded.shape != (n_tokens,):
+        raise ValidationError(
+            f"datum {i}: its recorded logprobs cover {recorded.size} targets, not {n_tokens}"
+        )
+    sampled = np.isfinite(recorded)
+    advantages = np.asarray(datum.loss_fn_inputs.get("advantages", np.zeros(n_tokens)))
+    if advantages.shape == (n_tokens,) and (advantages[~sampled] != 0).any():
+        j = int(np.flatnonzero(~sampled & (advantages != 0))[0])
+        raise ValidationError(
+            f"datum {i}: advantages[{j}] is nonzero but target {j} is a prompt token, not a "
+            f"sampled one; {loss.name} weighs sampled tokens only: give prompt tokens advantage 0"
+        )
+    return {
+        "sampler_logprobs": np.where(sampled, recorded, 0.0).astype(np.float32),
+        "sampled_mask": sampled.astype(np.float32),
+    }
 
 
 def _token_array(i: int, name: str, values: object, vocab_size: int) -> np.ndarray:
@@ -286,7 +338,7 @@ def batch_loss(
     mask_B_T = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(device)
     tokens_B_T = padded("tokens", torch.long)
     targets_B_T = padded("target_tokens", torch.long)
-    inputs = {name: padded(name, torch.float32) for name in loss.spec.accepted_inputs[1:]}
+    inputs = {name: padded(name, torch.float32) for name in loss.spec.tensor_inputs}
     logits_B_T_V = model(
         input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
     ).logits.float()

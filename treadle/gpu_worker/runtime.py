@@ -27,6 +27,7 @@ from treadle.platform import (
     logs,
     notify,
     operations,
+    recorded_samples,
     routing,
     storage,
 )
@@ -96,6 +97,7 @@ class LeaseKeeper(threading.Thread):
             mine = leases.sessions_leased_to(conn, me)
             stalled = operations.stale_pending(conn, mine, STALL_SECONDS)
             expired = checkpoints.reap_expired(conn)
+            recorded_samples.purge_expired(conn)
             idle = self.config.session_idle_seconds
             failed = [
                 request_id

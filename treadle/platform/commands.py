@@ -65,10 +65,11 @@ def submit(
     payload: Payload,
     *,
     sampler_id: str | None = None,
-    with_request: Callable[[sa.Connection], None] | None = None,
+    with_request: Callable[[sa.Connection, operations.Admission], None] | None = None,
     on_admitted: Callable[[operations.Admission], None] | None = None,
 ) -> operations.Admission:
-    """Append the request (after `with_request`, in the same transaction), then wake its worker.
+    """Append the request (then `with_request` with the new admission, in the same
+    transaction), then wake its worker.
     `on_admitted` sees a new request's id before the commit, so before any worker can run it
     (`progress.want_progress` marks a streamed sample there).
 
@@ -102,7 +103,7 @@ def submit(
                 on_quota=rate_limit,
             )
             if admission.is_new and with_request is not None:
-                with_request(conn)
+                with_request(conn, admission)
             if admission.is_new and on_admitted is not None:
                 on_admitted(admission)
     except TreadleError as exc:

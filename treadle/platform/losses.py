@@ -15,6 +15,7 @@ from treadle.platform.errors import ValidationError
 
 __all__ = [
     "LOSS_SPECS",
+    "RECORDED_INPUTS",
     "UNSERVED_LOSSES",
     "LossSpec",
     "check_config_values",
@@ -34,6 +35,12 @@ class LossSpec:
     per_token_config: tuple[str, ...] = ()
     # float inputs that must mark (hold a nonzero value at) at least one token of each datum
     nonzero_inputs: tuple[str, ...] = ()
+    # loss_fn_inputs a datum may send that this loss does not read (stable_reinforce takes the
+    # sampler's logprobs from the platform's record, not from the `logprobs` the client sends)
+    ignored_inputs: tuple[str, ...] = ()
+    # Whether the loss reads the datum's provenance: every datum must name recorded sequences
+    # (Datum.with_provenance), which the API checks and resolves into RECORDED_INPUTS.
+    reads_provenance: bool = False
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -42,9 +49,19 @@ class LossSpec:
 
     @property
     def accepted_inputs(self) -> tuple[str, ...]:
-        """Every loss_fn_inputs name this loss reads: the required ones, then the optional."""
-        return (*self.inputs, *self.per_token_config)
+        """Every loss_fn_inputs name a datum may send: the required ones, then the optional."""
+        return (*self.inputs, *self.per_token_config, *self.ignored_inputs)
 
+    @property
+    def tensor_inputs(self) -> tuple[str, ...]:
+        """The per-token float arrays the loss computes with, besides `target_tokens`."""
+        recorded = RECORDED_INPUTS if self.reads_provenance else ()
+        return (*self.float_inputs, *self.per_token_config, *recorded)
+
+
+# Per target token, from the sequences the datum's provenance names: the sampler's own logprob
+# (0 where the target was not sampled) and whether it was sampled (1) or a prompt token (0).
+RECORDED_INPUTS = ("sampler_logprobs", "sampled_mask")
 
 _RL_INPUTS = ("logprobs", "advantages")
 # Clip ranges as SageMaker accepts them: low in [0, 1], high in [1, 10].
@@ -66,17 +83,25 @@ LOSS_SPECS: dict[str, LossSpec] = {
             per_token_config=_CLIP_KEYS,
             nonzero_inputs=("sequence_ratio_mask",),
         ),
+        # Treadle's definition (docs/losses-and-sampling.md): REINFORCE on the sampled tokens,
+        # each weighted by its importance ratio against the recorded sampler logprob,
+        # truncated at truncation_threshold and masked (0) outside [mask_low, mask_high].
+        LossSpec(
+            "stable_reinforce",
+            ("advantages",),
+            {
+                "truncation_threshold": (2.0, 1.0, 100.0),
+                "mask_low_threshold": (0.0, 0.0, 1.0),
+                "mask_high_threshold": (10.0, 1.0, 1000.0),
+            },
+            ignored_inputs=("logprobs",),
+            reads_provenance=True,
+        ),
     )
 }
 
 # Names the tinker SDK's LossFnType lists that this server refuses, and why (a 400 naming them).
 UNSERVED_LOSSES: dict[str, str] = {
-    "stable_reinforce": (
-        "loss_fn 'stable_reinforce' is not served: Tinker has not published its objective (it "
-        "is alpha and uses stability information its own sampler records, named through "
-        "Datum.with_provenance), so this server cannot compute it exactly; use "
-        "importance_sampling, ppo, cispo or gspo (docs/losses-and-sampling.md)"
-    ),
     "custom": (
         "loss_fn 'custom' (a server-side loss registered with create_custom_loss) is not "
         "served; pass a Python function to forward_backward_custom, which runs the loss on "
@@ -109,11 +134,12 @@ def resolve_config(spec: LossSpec, config: Mapping[str, float] | None) -> dict[s
     for key, value in given.items():
         check_config_values(spec, key, [value], where=f"loss_fn_config[{key!r}]")
         resolved[key] = float(value)
-    if resolved.get("clip_low_threshold", 0.0) > resolved.get("clip_high_threshold", 1.0):
-        raise ValidationError(
-            f"clip_low_threshold ({resolved['clip_low_threshold']}) must not exceed "
-            f"clip_high_threshold ({resolved['clip_high_threshold']})"
-        )
+    for low, high in (("clip_low_threshold", "clip_high_threshold"),
+                      ("mask_low_threshold", "mask_high_threshold")):  # fmt: skip
+        if resolved.get(low, 0.0) > resolved.get(high, 1.0):
+            raise ValidationError(
+                f"{low} ({resolved[low]}) must not exceed {high} ({resolved[high]})"
+            )
     return resolved
 
 

@@ -127,10 +127,33 @@ class Tensor(BaseModel):
         return self
 
 
+class ProvenanceSpan(BaseModel):
+    """Positions [offset, offset + length) of a recorded sequence: of its request's prompt
+    (`prompt`) or of its sampled tokens (`sampled`). Spans tile the field they annotate."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["prompt", "sampled"]
+    sequence_id: str
+    offset: int
+    length: int
+
+
+class Provenance(BaseModel):
+    """Where a datum's tokens came from (Datum.with_provenance), checked against the recorded
+    sequences at admission, and what the platform recorded for its targets: the sampler's own
+    logprob of each sampled target (None for a prompt token)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_input: list[ProvenanceSpan]
+    targets: list[ProvenanceSpan]
+    sampler_logprobs: list[float | None]
+
+
 class Datum(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     tokens: list[int]
     loss_fn_inputs: dict[str, Tensor]
+    provenance: Provenance | None = None  # kept only for losses that read it
 
 
 class ForwardBackward(Payload):
@@ -246,6 +269,8 @@ class Sample(Payload):
     target_prompt_logprobs: PromptTargets | None = None
     prompt_alt_tokens_k: int = 0
     topk_sample_logprobs: int = 0
+    # Its sequences are recorded (platform/recorded_samples.py) for stable_reinforce's provenance.
+    record_stability_info: bool = False
 
 
 class RebuildMode(StrEnum):

@@ -282,6 +282,30 @@ refused_seqs = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )
 
+# A sample requested with record_stability_info (migration 0010): its sequences
+# `<request_id>:<i>` may be named by training data's provenance. The sequences themselves are the
+# sample operation's result (`operations.result`); this row says who owns them (the training
+# session whose weights were sampled, NULL for a base model; then the client session's
+# training sessions may use them), with which weights, and until when they may be used: each use
+# moves `expires_at` to now + TREADLE_RECORDED_SAMPLE_TTL_SECONDS.
+recorded_samples = sa.Table(
+    "recorded_samples",
+    metadata,
+    sa.Column("request_id", sa.Text, primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("session_id", sa.Text, sa.ForeignKey("sessions.id")),
+    sa.Column("client_session_id", sa.Text, sa.ForeignKey("client_sessions.id"), nullable=False),
+    sa.Column("sampler_id", sa.Text, nullable=False),
+    sa.Column("snapshot_id", sa.Text),
+    sa.Column("model_path", sa.Text),
+    sa.Column("weights_seq", sa.BigInteger),  # the save_weights_for_sampler that wrote them
+    sa.Column("prompt", JSONB, nullable=False),
+    sa.Column("num_samples", sa.Integer, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("last_used_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Index("ix_recorded_samples_expires", "expires_at"),
+)
 
 # --- metering (see migrations/versions/0005_metering.py) --------------------------------------
 

@@ -73,8 +73,9 @@ MAX_TARGET_PROMPT_K = 1024
 MAX_TARGET_PROMPT_CELLS = 2**18
 
 
-def validate_forward_backward(payload: dict[str, Any], model: BaseModelInfo) -> None:
-    """Check a decoded forward_backward payload; fills in the loss's config defaults."""
+def validate_forward_backward(payload: dict[str, Any], model: BaseModelInfo) -> LossSpec:
+    """Check a decoded forward_backward payload; fills in the loss's config defaults. Returns
+    the loss's specification."""
     spec = get_loss_spec(payload["loss_fn"])
     payload["loss_fn_config"].update(resolve_config(spec, payload["loss_fn_config"]))
     data = payload["data"]
@@ -84,6 +85,7 @@ def validate_forward_backward(payload: dict[str, Any], model: BaseModelInfo) -> 
         raise ValidationError(f"{len(data)} datums in one request; send at most {MAX_DATUMS}")
     for i, datum in enumerate(data):
         _validate_datum(i, datum, spec, model)
+    return spec
 
 
 def _validate_datum(i: int, datum: Mapping[str, Any], spec: LossSpec, model: BaseModelInfo) -> None:
@@ -138,6 +140,21 @@ def _validate_datum(i: int, datum: Mapping[str, Any], spec: LossSpec, model: Bas
             raise ValidationError(
                 f"datum {i}: target_tokens has token id {int(bad)}, outside the vocabulary "
                 f"[0, {model.vocab_size}) of {model.name}"
+            )
+
+
+def validate_sampled_advantages(data: list[dict[str, Any]], spec: LossSpec) -> None:
+    """A loss that reads provenance weighs sampled targets only: a nonzero advantage on a
+    target that is a prompt token (recorded logprob None) is refused."""
+    for i, datum in enumerate(data):
+        recorded = datum["provenance"]["sampler_logprobs"]
+        advantages = datum["loss_fn_inputs"]["advantages"]["data"]
+        j = next((j for j, q in enumerate(recorded) if q is None and advantages[j] != 0), None)
+        if j is not None:
+            raise ValidationError(
+                f"datum {i}: advantages[{j}] is {advantages[j]} but target {j} is a prompt token "
+                f"(its provenance is a prompt span), not a sampled one; {spec.name} weighs "
+                "sampled tokens only: give prompt tokens advantage 0"
             )
 
 

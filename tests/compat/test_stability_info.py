@@ -1,0 +1,201 @@
+"""Recorded samples, provenance and `stable_reinforce`, through the plain tinker SDK as
+tinker-cookbook 0.6 uses them: a sampling client created with record_stability_info=True records
+its sequences; a datum built with Datum.with_provenance names them; the platform checks every
+claim (same session, not expired, the recorded tokens) before anything trains, and
+stable_reinforce weighs each sampled token by its ratio against the *recorded* sampler logprob,
+whatever `logprobs` the client sends. Losses that do not read provenance ignore it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+import tinker
+from tinker import types
+
+from tests.conftest import Platform, new_tenant_key
+from tests.served_app import replica
+from treadle.platform import db
+
+pytestmark = pytest.mark.integration
+
+BASE_MODEL = "treadle/tiny-debug"
+PROMPT = [5, 17, 42, 8, 99]
+ADVANTAGE = 0.75
+SHORT_TTL_SECONDS = 1.0
+
+
+@pytest.fixture(scope="module")
+def key(platform: Platform) -> str:
+    return new_tenant_key(platform, "stability")
+
+
+@pytest.fixture(scope="module")
+def service(platform: Platform, key: str):  # type: ignore[no-untyped-def]
+    svc = tinker.ServiceClient(base_url=platform.base_url, api_key=key)
+    yield svc
+    svc.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def training(service: tinker.ServiceClient) -> tinker.TrainingClient:
+    return service.create_lora_training_client(BASE_MODEL, rank=4, seed=3).result()
+
+
+def sampled(sampler: tinker.SamplingClient, seed: int) -> types.SampledSequence:
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=seed, stop=[])
+    result = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params).result()
+    (sequence,) = result.sequences
+    assert sequence.sequence_id and len(sequence.tokens) == 6
+    return sequence
+
+
+def provenance_datum(
+    sequence: types.SampledSequence, *, client_logprobs: float = 0.0, tamper: bool = False
+) -> types.Datum:
+    """The cookbook's datum of one prompt + completion: inputs drop the last token, targets
+    the first; prompt targets have advantage 0, sampled ones ADVANTAGE."""
+    sid, n_prompt, n_sampled = sequence.sequence_id, len(PROMPT), len(sequence.tokens)
+    assert sid is not None
+    full = PROMPT + list(sequence.tokens)
+    if tamper:
+        full[-2] = (full[-2] + 1) % 200
+    targets = full[1:]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": targets,
+            "logprobs": [client_logprobs] * len(targets),
+            "advantages": [0.0] * (n_prompt - 1) + [ADVANTAGE] * n_sampled,
+        },
+    )
+    return datum.with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=sid, offset=0, length=n_prompt),
+            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n_prompt - 1),
+            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled),
+        ],
+    )
+
+
+def forward_backward_count(platform: Platform, model_id: str) -> int:
+    engine = db.connect(platform.database_url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM operations WHERE session_id = :s "
+                        "AND type = 'forward_backward'"
+                    ),
+                    {"s": model_id},
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()
+
+
+def test_stable_reinforce_weighs_sampled_tokens_by_the_recorded_sampler_logprobs(
+    training: tinker.TrainingClient,
+) -> None:
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    sequence = sampled(sampler, seed=1)
+    assert sequence.logprobs is not None
+    # The client claims sampler logprobs of 0.0 everywhere; the platform reads its own record.
+    datum = provenance_datum(sequence, client_logprobs=0.0)
+
+    out = training.forward_backward([datum], "stable_reinforce").result()
+
+    lp = np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist(), np.float64)
+    sampled_lp = lp[len(PROMPT) - 1 :]
+    ratio = np.exp(sampled_lp - np.asarray(sequence.logprobs, np.float64))
+    np.testing.assert_allclose(ratio, 1.0, atol=1e-3)  # on-policy: the sampler's weights
+    expected = -np.sum(np.minimum(ratio, 2.0) * ADVANTAGE * sampled_lp)
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    # with the client's logprobs (0.0) the weights would have been exp(lp) instead
+    claimed = -np.sum(np.exp(sampled_lp) * ADVANTAGE * sampled_lp)
+    assert abs(claimed - expected) > 1e-3
+
+
+def test_a_datum_naming_another_sessions_sequence_is_refused_and_not_trained(
+    platform: Platform, service: tinker.ServiceClient, training: tinker.TrainingClient
+) -> None:
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    sequence = sampled(sampler, seed=2)
+    other = service.create_lora_training_client(BASE_MODEL, rank=4).result()
+
+    with pytest.raises(tinker.BadRequestError, match=r"datum 0: .*" + sequence.sequence_id):
+        other.forward_backward([provenance_datum(sequence)], "stable_reinforce").result()
+
+    assert forward_backward_count(platform, other.model_id) == 0
+    # the session goes on: its next operation runs at once
+    other.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+
+def test_altered_tokens_are_refused_naming_the_datum(
+    platform: Platform, training: tinker.TrainingClient
+) -> None:
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    sequence = sampled(sampler, seed=3)
+    before = forward_backward_count(platform, training.model_id)
+    with pytest.raises(tinker.BadRequestError, match=r"datum 1: .* holds token"):
+        training.forward_backward(
+            [provenance_datum(sequence), provenance_datum(sequence, tamper=True)],
+            "stable_reinforce",
+        ).result()
+    assert forward_backward_count(platform, training.model_id) == before
+
+
+def test_an_unrecorded_sequence_or_no_provenance_is_refused(
+    training: tinker.TrainingClient,
+) -> None:
+    sampler = training.save_weights_and_get_sampling_client().result()  # records nothing
+    sequence = sampled(sampler, seed=4)
+    with pytest.raises(tinker.BadRequestError, match="not a recorded sequence"):
+        training.forward_backward([provenance_datum(sequence)], "stable_reinforce").result()
+    bare = types.Datum(
+        model_input=types.ModelInput.from_ints(PROMPT[:-1]),
+        loss_fn_inputs={"target_tokens": PROMPT[1:], "advantages": [1.0] * 4},
+    )
+    with pytest.raises(tinker.BadRequestError, match="datum 0 has no provenance"):
+        training.forward_backward([bare], "stable_reinforce").result()
+
+
+def test_other_losses_ignore_provenance(training: tinker.TrainingClient) -> None:
+    """The cookbook attaches provenance to every RL datum, recorded or not."""
+    sampler = training.save_weights_and_get_sampling_client().result()
+    datum = provenance_datum(sampled(sampler, seed=5), client_logprobs=-1.0)
+    out = training.forward_backward([datum], "importance_sampling").result()
+    assert np.isfinite(out.metrics["loss:sum"])
+
+
+def test_a_base_model_samplers_sequences_serve_its_client_sessions_training(
+    service: tinker.ServiceClient, training: tinker.TrainingClient
+) -> None:
+    sampler = service.create_sampling_client(
+        base_model=BASE_MODEL, record_stability_info=True
+    ).result()
+    sequence = sampled(sampler, seed=6)
+    out = training.forward_backward([provenance_datum(sequence)], "stable_reinforce").result()
+    assert np.isfinite(out.metrics["loss:sum"])
+
+
+def test_recorded_sequences_expire_after_their_time_to_live(platform: Platform, key: str) -> None:
+    with replica(platform, recorded_sample_ttl_seconds=SHORT_TTL_SECONDS) as (base_url, _):
+        svc = tinker.ServiceClient(base_url=base_url, api_key=key)
+        try:
+            tc = svc.create_lora_training_client(BASE_MODEL, rank=4).result()
+            sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+            sequence = sampled(sampler, seed=7)
+            time.sleep(SHORT_TTL_SECONDS + 1.0)
+            with pytest.raises(tinker.BadRequestError, match=r"datum 0: .* expired at"):
+                tc.forward_backward([provenance_datum(sequence)], "stable_reinforce").result()
+            assert forward_backward_count(platform, tc.model_id) == 0
+        finally:
+            svc.close("success").result()
