@@ -8,6 +8,8 @@ whatever `logprobs` the client sends. Losses that do not read provenance ignore 
 
 from __future__ import annotations
 
+import datetime
+import logging
 import time
 
 import numpy as np
@@ -19,6 +21,8 @@ from tinker import types
 from tests.conftest import Platform, new_tenant_key
 from tests.served_app import replica
 from treadle.platform import db
+from treadle.platform import recorded_samples as recorded_samples_core
+from treadle.platform.schema import recorded_samples
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +86,21 @@ def provenance_datum(
             types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled),
         ],
     )
+
+
+def expiry_of(platform: Platform, sequence: types.SampledSequence) -> datetime.datetime | None:
+    """When the record of `sequence`'s sample expires (None: there is no record)."""
+    request_id = str(sequence.sequence_id).rpartition(":")[0]
+    engine = db.connect(platform.database_url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(
+                sa.select(recorded_samples.c.expires_at).where(
+                    recorded_samples.c.request_id == request_id
+                )
+            ).scalar_one_or_none()
+    finally:
+        engine.dispose()
 
 
 def forward_backward_count(platform: Platform, model_id: str) -> int:
@@ -186,13 +205,57 @@ def test_a_base_model_samplers_sequences_serve_its_client_sessions_training(
     assert np.isfinite(out.metrics["loss:sum"])
 
 
-def test_recorded_sequences_expire_after_their_time_to_live(platform: Platform, key: str) -> None:
+def test_a_use_keeps_a_record_a_time_to_live_longer(
+    platform: Platform, training: tinker.TrainingClient
+) -> None:
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    sequence = sampled(sampler, seed=8)
+    recorded = expiry_of(platform, sequence)
+    assert recorded is not None
+    training.forward_backward([provenance_datum(sequence)], "stable_reinforce").result()
+    used = expiry_of(platform, sequence)
+    assert used is not None and used > recorded
+
+
+def test_an_expired_record_is_purged_an_hour_after_it_expired(
+    platform: Platform, training: tinker.TrainingClient
+) -> None:
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    sequence = sampled(sampler, seed=9)
+    request_id = str(sequence.sequence_id).rpartition(":")[0]
+    aged = sa.update(recorded_samples).where(recorded_samples.c.request_id == request_id)
+    engine = db.connect(platform.database_url, pool_size=1)
+    try:
+        with engine.begin() as conn:
+            conn.execute(aged.values(expires_at=sa.text("now() - interval '59 minutes'")))
+            recorded_samples_core.purge_expired(conn)
+        assert expiry_of(platform, sequence) is not None  # expired, still named as such
+        with engine.begin() as conn:
+            conn.execute(aged.values(expires_at=sa.text("now() - interval '61 minutes'")))
+            assert recorded_samples_core.purge_expired(conn) >= 1
+    finally:
+        engine.dispose()
+    assert expiry_of(platform, sequence) is None
+    with pytest.raises(tinker.BadRequestError, match="not a recorded sequence"):
+        training.forward_backward([provenance_datum(sequence)], "stable_reinforce").result()
+
+
+def test_recorded_sequences_expire_after_their_time_to_live(
+    platform: Platform, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="treadle.platform.recorded_samples")
     with replica(platform, recorded_sample_ttl_seconds=SHORT_TTL_SECONDS) as (base_url, _):
         svc = tinker.ServiceClient(base_url=base_url, api_key=key)
         try:
             tc = svc.create_lora_training_client(BASE_MODEL, rank=4).result()
             sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
             sequence = sampled(sampler, seed=7)
+            request_id = str(sequence.sequence_id).rpartition(":")[0]
+            # the log says what was recorded (this replica's API runs in this process)
+            assert any(
+                f"recording the 1 sequences of sample {request_id} for {tc.model_id}" in m
+                for m in caplog.messages
+            )
             time.sleep(SHORT_TTL_SECONDS + 1.0)
             with pytest.raises(tinker.BadRequestError, match=r"datum 0: .* expired at"):
                 tc.forward_backward([provenance_datum(sequence)], "stable_reinforce").result()

@@ -1,11 +1,12 @@
 """Training losses, by name, and the validation of the data they consume.
 
 Owns `EngineDatum`, the loss functions (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
-`dro`, `gspo`, `stable_reinforce`; their names, inputs and config ranges are `treadle.platform.losses`'), every check
-on a datum's tokens and `loss_fn_inputs`, and the padded batch forward pass that turns validated
-data into logprobs and losses. A loss maps the target-token logprobs `lp` of the current model to
-an elementwise loss; the total is its sum over tokens and datums (normalising is the client's
-job). Formulas and their sources: docs/losses-and-sampling.md.
+`dro`, `gspo`, `stable_reinforce`; their names, inputs and config ranges are
+`treadle.platform.losses`'), every check on a datum's tokens and `loss_fn_inputs`, and the
+padded batch forward pass that turns validated data into logprobs and losses. A loss maps the
+target-token logprobs `lp` of the current model to an elementwise loss; the total is its sum over
+tokens and datums (normalising is the client's job). Formulas and their sources:
+docs/losses-and-sampling.md.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -215,8 +216,6 @@ def _validate_datum(
             f"datum {i}: loss_fn_inputs has {unknown}, which loss {loss.name!r} does not read; "
             f"remove them (it reads {list(loss.spec.accepted_inputs)})"
         )
-    if loss.spec.reads_provenance:
-        arrays.update(_recorded_arrays(i, datum, loss, n_tokens))
     for name in loss.spec.accepted_inputs:
         if name in loss.spec.ignored_inputs:
             continue
@@ -241,30 +240,31 @@ def _validate_datum(
                 f"datum {i}: {name} marks no token; give at least one token a nonzero value"
             )
         arrays[name] = value.astype(np.float32)
+    if loss.spec.reads_provenance:
+        arrays.update(_recorded_arrays(i, datum, loss, arrays["advantages"]))
     return arrays
 
 
 def _recorded_arrays(
-    i: int, datum: EngineDatum, loss: LossFn, n_tokens: int
+    i: int, datum: EngineDatum, loss: LossFn, advantages: np.ndarray
 ) -> dict[str, np.ndarray]:
     """`sampler_logprobs` (0 where not sampled) and `sampled_mask` from the recorded logprobs
     the API resolved from the datum's provenance; a nonzero advantage on a target that was not
     sampled is refused (it has no sampler logprob to weigh it by)."""
-    recorded = datum.sampler_logprobs
-    if recorded is None:
+    if datum.sampler_logprobs is None:
         raise ValidationError(
             f"datum {i}: loss {loss.name!r} reads the sampler logprobs the platform recorded, "
             "and this datum names no recorded sequence; build it with Datum.with_provenance"
         )
-    recorded = np.asarray(recorded, np.float32)
-    if recorded.shape != (n_tokens,):
+    recorded = np.asarray(datum.sampler_logprobs, np.float32)
+    if recorded.shape != advantages.shape:
         raise ValidationError(
-            f"datum {i}: its recorded logprobs cover {recorded.size} targets, not {n_tokens}"
+            f"datum {i}: its recorded logprobs cover {recorded.size} targets, not {advantages.size}"
         )
     sampled = np.isfinite(recorded)
-    advantages = np.asarray(datum.loss_fn_inputs.get("advantages", np.zeros(n_tokens)))
-    if advantages.shape == (n_tokens,) and (advantages[~sampled] != 0).any():
-        j = int(np.flatnonzero(~sampled & (advantages != 0))[0])
+    unweighable = np.flatnonzero(~sampled & (advantages != 0))
+    if unweighable.size:
+        j = int(unweighable[0])
         raise ValidationError(
             f"datum {i}: advantages[{j}] is nonzero but target {j} is a prompt token, not a "
             f"sampled one; {loss.name} weighs sampled tokens only: give prompt tokens advantage 0"

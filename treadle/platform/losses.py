@@ -85,7 +85,8 @@ LOSS_SPECS: dict[str, LossSpec] = {
         ),
         # Treadle's definition (docs/losses-and-sampling.md): REINFORCE on the sampled tokens,
         # each weighted by its importance ratio against the recorded sampler logprob,
-        # truncated at truncation_threshold and masked (0) outside [mask_low, mask_high].
+        # truncated at truncation_threshold and masked (0) outside [mask_low, mask_high] (their
+        # ranges meet at 1, so low never exceeds high).
         LossSpec(
             "stable_reinforce",
             ("advantages",),
@@ -134,12 +135,11 @@ def resolve_config(spec: LossSpec, config: Mapping[str, float] | None) -> dict[s
     for key, value in given.items():
         check_config_values(spec, key, [value], where=f"loss_fn_config[{key!r}]")
         resolved[key] = float(value)
-    for low, high in (("clip_low_threshold", "clip_high_threshold"),
-                      ("mask_low_threshold", "mask_high_threshold")):  # fmt: skip
-        if resolved.get(low, 0.0) > resolved.get(high, 1.0):
-            raise ValidationError(
-                f"{low} ({resolved[low]}) must not exceed {high} ({resolved[high]})"
-            )
+    if resolved.get("clip_low_threshold", 0.0) > resolved.get("clip_high_threshold", 1.0):
+        raise ValidationError(
+            f"clip_low_threshold ({resolved['clip_low_threshold']}) must not exceed "
+            f"clip_high_threshold ({resolved['clip_high_threshold']})"
+        )
     return resolved
 
 

@@ -140,8 +140,10 @@ def _load(conn: sa.Connection, principal: Principal, request_ids: set[str]) -> d
     }
 
 
-def _request_of(sequence_id: str) -> str:
-    return sequence_id.rpartition(":")[0]
+def _parse(sequence_id: str) -> tuple[str, str]:
+    """(the sample's request id, the sequence's index as sent): ids are `<request_id>:<i>`."""
+    request_id, _, index = sequence_id.rpartition(":")
+    return request_id, index
 
 
 def resolve(
@@ -157,7 +159,7 @@ def resolve(
     sample requests used (for `touch`). ValidationError naming the datum and the sequence for
     the first claim that fails."""
     named = {
-        _request_of(span["sequence_id"])
+        _parse(span["sequence_id"])[0]
         for d in data
         for field in ("model_input", "targets")
         for span in (d.get("provenance") or {}).get(field, [])
@@ -240,7 +242,7 @@ class _Checker:
     ) -> tuple[list[int], list[float] | None]:
         """The recorded tokens a span of `kind` reads (the request's prompt, or the sequence's
         sampled tokens with their logprobs)."""
-        request_id, _, index_text = sequence_id.rpartition(":")
+        request_id, index_text = _parse(sequence_id)
         sample = self.found.get(request_id)
         if sample is None or not index_text.isdigit():
             raise ValidationError(
