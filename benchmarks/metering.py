@@ -78,7 +78,7 @@ def start(stack: contextlib.ExitStack, root: Path, name: str, metering: bool) ->
     engine = db.connect(database_url, pool_size=1)
     stack.callback(engine.dispose)
     with engine.begin() as conn:
-        _, member_key = tenants.create_key(conn, TENANT, tenants.Role.MEMBER)
+        _, member_key = keys.create_tenant_key(conn, TENANT, tenants.Role.MEMBER)
         if metering:
             operator = keys.authenticate(conn, admin_key)
             for token_class, usd in (("prefill", "0.1"), ("sample", "0.4"), ("train", "0.3")):

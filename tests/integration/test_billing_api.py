@@ -19,7 +19,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.integration.wire_client import datum
 from tests.secure_app import SecureApp
-from treadle.platform import auto_checkpoints, checkpoints, metering, tenants
+from treadle.platform import auto_checkpoints, checkpoints, keys, metering
 from treadle.platform.sessions import get_session
 
 pytestmark = pytest.mark.integration
@@ -59,13 +59,13 @@ def priced() -> str:
 def new_tenant(app: SecureApp, role: str = "admin") -> Tenant:
     tenant_id = f"bill-{secrets.token_hex(4)}"
     with app.engine.begin() as conn:
-        key_id, key = tenants.create_key(conn, tenant_id, role)
+        key_id, key = keys.create_tenant_key(conn, tenant_id, role)
     return Tenant(tenant_id, key, key_id)
 
 
 def member_of(app: SecureApp, tenant: Tenant) -> str:
     with app.engine.begin() as conn:
-        return tenants.create_key(conn, tenant.id, "member")[1]
+        return keys.create_tenant_key(conn, tenant.id, "member")[1]
 
 
 def ok(response: Any, status: int = 200) -> Any:

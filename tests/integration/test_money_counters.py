@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.secure_app import SecureApp
-from treadle.platform import metering, metrics, quotas, tenants
+from treadle.platform import keys, metering, quotas, tenants
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def test_a_charge_is_counted_by_class_model_and_tenant() -> None:
     tenant = f"count-{secrets.token_hex(3)}"
     charge = metering.Charge(tenant, "m", {"prefill": 3, "sample": 0, "train": 7},
                              {"prefill": 2, "sample": 0, "train": 5})  # fmt: skip
-    metrics.count_charge(charge)
+    metering.count_charge(charge)
     assert _value("treadle_tokens_total", token_class="train", base_model="m", tenant=tenant) == 7
     assert _value("treadle_cost_usd_total", token_class="prefill", base_model="m",
                   tenant=tenant) == pytest.approx(2e-6)  # fmt: skip
@@ -34,7 +34,7 @@ def test_a_refusal_by_quota_is_counted_by_its_limit(secure: SecureApp) -> None:
     secure.keep_worker_alive()
     tenant = f"count-{secrets.token_hex(3)}"
     with secure.engine.begin() as conn:
-        _, key = tenants.create_key(conn, tenant, "admin")
+        _, key = keys.create_tenant_key(conn, tenant, "admin")
         operator = tenants.Principal("key-operator", tenants.DEFAULT_TENANT, "operator")
         quotas.set_quota(conn, operator, tenant, quotas.Quota(max_sessions=0))
     before = _value("treadle_quota_rejections_total", reason="max_sessions")

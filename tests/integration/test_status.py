@@ -21,7 +21,7 @@ from tests.integration.wire_client import WireClient
 from tests.secure_app import FAKE_WORKER, SecureApp, running_secure_app
 from treadle.client.admin import AdminClient
 from treadle.client.rest import TreadleApiError
-from treadle.platform import leases, tenants
+from treadle.platform import keys, leases
 
 pytestmark = pytest.mark.integration
 
@@ -151,7 +151,7 @@ def test_status_shows_pending_operations_the_oldest_and_each_workers_queue(
     assert before["live_sessions"] == {}
     with quiet_api.engine.begin() as conn:
         leases.heartbeat_worker(conn, FAKE_WORKER, {"metrics_url": METRICS_URL})
-        _, key = tenants.create_key(conn, "status-quiet", "admin")
+        _, key = keys.create_tenant_key(conn, "status-quiet", "admin")
     session = _ok(quiet_api.call("POST", "/api/v1/create_session", key, json={"tags": []}))
     model = _ok(
         quiet_api.call(

@@ -192,7 +192,7 @@ class Operator:
     def new_account(self, label: str) -> Account:
         tenant_id = f"{label[:40]}-{secrets.token_hex(3)}".lower().replace("_", "-")
         with self.db.begin() as conn:
-            _, key = tenants.create_key(conn, tenant_id, tenants.Role.MEMBER)
+            _, key = keys.create_tenant_key(conn, tenant_id, tenants.Role.MEMBER)
         account = Account(tenant_id, key, MeterClient(self.base_url, key))
         self.accounts.append(account)
         return account

@@ -17,7 +17,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.integration.wire_client import datum
 from tests.secure_app import SecureApp
-from treadle.platform import checkpoints, tenants
+from treadle.platform import checkpoints, keys, tenants
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def _key(secure: SecureApp, tenant_id: str) -> tuple[str, str]:
     """(key id, plaintext) of a new admin key of a new tenant."""
     with secure.engine.begin() as conn:
         tenants.ensure_tenant(conn, tenant_id)
-        return tenants.create_key(conn, tenant_id, "admin")
+        return keys.create_tenant_key(conn, tenant_id, "admin")
 
 
 def _ok(response: Any) -> Any:

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from tinker import types
 
 from tests.secure_app import SecureApp
-from treadle.platform import tenants
+from treadle.platform import keys, tenants
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,7 @@ def _key(secure: SecureApp, role: str = "admin", tenant_id: str | None = None) -
     tenant_id = tenant_id or f"routes-{secrets.token_hex(3)}"
     with secure.engine.begin() as conn:
         tenants.ensure_tenant(conn, tenant_id)
-        return tenants.create_key(conn, tenant_id, role)[1]
+        return keys.create_tenant_key(conn, tenant_id, role)[1]
 
 
 def _ok(response: Any) -> Any:

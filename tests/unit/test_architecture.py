@@ -1,4 +1,5 @@
-"""The import rules of ARCHITECTURE.md, and the client's install footprint."""
+"""The import rules of ARCHITECTURE.md (no import cycles, each package's allowed imports), and
+the client's install footprint."""
 
 from __future__ import annotations
 
@@ -31,6 +32,93 @@ FORBIDDEN = {
     # platform (treadle.platform.embedded.free_port, to start `treadle up`).
     "recipes": ("treadle.api", "treadle.gpu_worker", "flask", "sqlalchemy", "celery"),
 }
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _treadle_imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The modules of `treadle` that `path` imports, wherever the import stands (a function's
+    body and `if TYPE_CHECKING:` included): `from package import name` names the module
+    `package.name` where there is one."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {module for module in found if module in known}
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the treadle modules it imports."""
+    paths = {_module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    return {name: _treadle_imports(path, name, set(paths)) - {name} for name, path in paths.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def test_no_module_imports_itself_in_a_cycle() -> None:
+    """No import cycle anywhere in treadle/, not even through an import inside a function or
+    one for type checking only: each cycle names its modules."""
+    assert import_cycles(import_graph()) == []
+
+
+def test_a_cycle_is_found_where_there_is_one(tmp_path: Path) -> None:
+    """The check itself: a package whose two modules import each other (one of them inside a
+    function) is reported, and the same package without the back edge is not."""
+    package = tmp_path / "treadle" / "demo"
+    package.mkdir(parents=True)
+    (tmp_path / "treadle" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text('"""A package."""\n')
+    (package / "a.py").write_text("from treadle.demo import b\n")
+    (package / "b.py").write_text("def f():\n    from treadle.demo.a import x\n")
+    (package / "c.py").write_text("from . import b\n")
+    root = tmp_path / "treadle"
+    assert import_cycles(import_graph(root)) == [["treadle.demo.a", "treadle.demo.b"]]
+    (package / "b.py").write_text("x = 1\n")
+    assert import_cycles(import_graph(root)) == []
 
 
 def _imports(path: Path) -> set[str]:

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 import treadle
-from treadle.gpu_worker import telemetry as worker_telemetry
+from treadle.gpu_worker import gauges as worker_gauges
 
 # Built at import from the environment (it needs a database): it defines no metric.
 NOT_IMPORTED = {"treadle.api.wsgi"}
@@ -53,10 +53,10 @@ def _declared() -> Iterator[Declared]:
                 assert isinstance(value._labelnames, tuple), "prometheus_client changed"
                 (family,) = value.describe()
                 yield Declared(family.name, family.type, value._labelnames, f"{module_name}.{attr}")
-    for family in worker_telemetry.gauge_families():
+    for family in worker_gauges.gauge_families():
         labels = getattr(family, "_labelnames", None)
         assert isinstance(labels, tuple), "prometheus_client changed GaugeMetricFamily"
-        yield Declared(family.name, family.type, labels, "treadle.gpu_worker.telemetry")
+        yield Declared(family.name, family.type, labels, "treadle.gpu_worker.gauges")
 
 
 def _problems(metric: Declared) -> list[str]:

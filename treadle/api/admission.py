@@ -14,8 +14,8 @@ from typing import Any
 import sqlalchemy as sa
 from flask import g
 
+from treadle.api.body import B, parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import B, parse
 from treadle.platform import commands, operations
 from treadle.platform.optypes import Payload
 

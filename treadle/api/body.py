@@ -1,4 +1,6 @@
-"""Reading JSON request bodies: strict, bounded JSON before pydantic ever sees it.
+"""Reading JSON request bodies: strict, bounded JSON before pydantic ever sees it, then `parse`
+into the surface's pydantic model (`Body`; unknown fields are ignored, as the Tinker protocol's
+evolving clients expect), a failure a 400 naming each bad field.
 
 The size limit is Flask's (MAX_CONTENT_LENGTH, a 413). Then a linear scan of the raw bytes
 refuses bodies nested deeper than MAX_JSON_DEPTH or holding more than MAX_JSON_VALUES values, so
@@ -14,13 +16,21 @@ import json
 import math
 import re
 from collections.abc import Iterator
-from typing import Any
+from datetime import UTC, date, datetime
+from typing import Annotated, Any, TypeVar
 
 import numpy as np
+import pydantic
 from flask import Request
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from treadle.platform.errors import ValidationError
-from treadle.platform.validation import MAX_INT_DIGITS, MAX_JSON_DEPTH, MAX_JSON_VALUES
+from treadle.platform.validation import (
+    MAX_ID_LENGTH,
+    MAX_INT_DIGITS,
+    MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
+)
 
 # A JSON string, or an unterminated one up to the end: the optional closing quote means a match
 # never fails, so the scan stays linear whatever the quotes and backslashes.
@@ -147,3 +157,70 @@ def _problems(value: Any) -> Iterator[tuple[str, str]]:
 
 def _clip(text: str, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+MAX_ID = 2**62  # seq ids and counters fit a BIGINT with room to spare
+MAX_TTL = 10 * 365 * 24 * 3600
+
+
+def _utc(value: Any) -> Any:
+    """A date means its UTC midnight; a time with no offset is UTC; years outside
+    2000-9998 are refused (they cannot hold usage, and near the ends they overflow)."""
+    if isinstance(value, str) and len(value) == 10 and value[4:5] == "-":
+        try:
+            value = datetime.combine(date.fromisoformat(value), datetime.min.time(), UTC)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a date; write YYYY-MM-DD") from None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is not an ISO 8601 time; write e.g. 2026-11-01T00:00:00Z"
+            ) from None
+    if isinstance(value, datetime):
+        if not 2000 <= value.year <= 9998:
+            raise ValueError(f"{value.isoformat()} is out of range; give a year 2000-9998")
+        return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    raise ValueError("give an ISO 8601 time, e.g. 2026-11-01T00:00:00Z")
+
+
+Id = Annotated[str, Field(max_length=MAX_ID_LENGTH)]  # ids, names, paths, base model names
+Time = Annotated[datetime, BeforeValidator(_utc)]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+
+
+B = TypeVar("B", bound=Body)
+
+
+def reject_nul(value: Any, where: str = "body") -> None:
+    """PostgreSQL text cannot hold NUL; no identifier or name of ours may contain it."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValidationError(f"{where} contains a NUL character; remove it")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            reject_nul(key, where)
+            reject_nul(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            reject_nul(item, f"{where}[{i}]")
+
+
+def parse(model: type[B], payload: Any) -> B:
+    """Validate a JSON body; a failure is a 400 that names each bad field."""
+    if not isinstance(payload, dict):
+        raise ValidationError("the request body must be a JSON object; send {...} with its fields")
+    reject_nul(payload)
+    try:
+        return model.model_validate(payload)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
+            + e["msg"].removeprefix("Value error, ")
+            for e in exc.errors()
+        )
+        raise ValidationError(f"invalid {model.__name__} request: {problems}") from None

@@ -16,8 +16,8 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 
 from treadle.api import auth
+from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import parse
 from treadle.api.schemas_admin import CreateKey, CreateTenant
 from treadle.platform import keys, tenants
 

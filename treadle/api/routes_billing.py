@@ -15,8 +15,8 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
+from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import parse
 from treadle.api.schemas_billing import BillQuery, SetPrices, SetQuota, UsageQuery
 from treadle.platform import billing_status, prices, quotas, usage
 from treadle.platform.errors import ValidationError

@@ -21,8 +21,8 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request, send_file, url_for
 
+from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import parse
 from treadle.api.schemas_tinker_extras import CopyWeights
 from treadle.platform import checkpoint_links, copies, publishing
 from treadle.platform.errors import NotFoundError, ValidationError

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from flask import Blueprint, jsonify, request, send_file
 
 from treadle.api.admission import parse_training, submit
+from treadle.api.body import parse
 from treadle.api.context import int_arg, json_body, principal, services
 from treadle.api.schemas import (
     CheckpointTtl,
@@ -24,7 +25,6 @@ from treadle.api.schemas import (
     SaveWeights,
     SaveWeightsForSampler,
     WeightsInfo,
-    parse,
 )
 from treadle.api.schemas_tinker_extras import SaveWeightsExternal
 from treadle.platform import checkpoints, commands, operations, optypes, publishing, storage

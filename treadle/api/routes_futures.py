@@ -16,8 +16,9 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify
 
+from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import RetrieveFuture, parse
+from treadle.api.schemas import RetrieveFuture
 from treadle.api.wire import encode_forward_backward_output, encode_sample_response
 from treadle.platform import db, operations
 from treadle.platform.optypes import OpStatus, OpType

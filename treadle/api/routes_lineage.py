@@ -12,8 +12,8 @@ from typing import Any
 
 from flask import Blueprint, jsonify
 
+from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import parse
 from treadle.api.schemas_lineage import OpenFork, OpenReplay
 from treadle.platform import lineage
 

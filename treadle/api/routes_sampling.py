@@ -12,8 +12,9 @@ import sqlalchemy as sa
 from flask import Blueprint, jsonify
 
 from treadle.api.admission import submit
+from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import CreateSamplingSession, PromptIdTable, Sample, parse
+from treadle.api.schemas import CreateSamplingSession, PromptIdTable, Sample
 from treadle.platform import (
     catalog,
     commands,

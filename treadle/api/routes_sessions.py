@@ -13,8 +13,9 @@ from typing import Any
 
 from flask import Blueprint, jsonify
 
+from treadle.api.body import parse
 from treadle.api.context import RETRY_AFTER_SECONDS, json_body, principal, services
-from treadle.api.schemas import CreateSession, FinishSession, SessionRef, parse
+from treadle.api.schemas import CreateSession, FinishSession, SessionRef
 from treadle.platform import catalog, commands, leases, validation
 from treadle.platform import sessions as sessions_core
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from flask import Blueprint, jsonify, request
 
+from treadle.api.body import parse
 from treadle.api.context import principal, services
-from treadle.api.schemas import parse
-from treadle.api.schemas_billing import BillingUsageQuery, StorageQuery
+from treadle.api.schemas_tinker_billing import BillingUsageQuery, StorageQuery
 from treadle.platform import usage_hourly
 from treadle.platform.prices import MICRO
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from flask import Blueprint, jsonify
 
+from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import parse
 from treadle.api.schemas_tinker_extras import AssignProject, JoinSamplingSession
 from treadle.platform import futures, keys
 from treadle.platform import sessions as sessions_core

@@ -19,8 +19,8 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request, url_for
 
+from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import parse
 from treadle.api.schemas_sessions import (
     AccessibleOwner,
     ActiveStatus,

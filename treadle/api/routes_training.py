@@ -13,8 +13,9 @@ import sqlalchemy as sa
 from flask import Blueprint, jsonify, request
 
 from treadle.api.admission import expect_seq, parse_training, submit
+from treadle.api.body import parse
 from treadle.api.context import base_model_of, json_body, principal, services
-from treadle.api.schemas import CreateModel, ModelRef, OptimStep, parse
+from treadle.api.schemas import CreateModel, ModelRef, OptimStep
 from treadle.api.wire import decode_forward_backward
 from treadle.platform import (
     catalog,

@@ -15,8 +15,8 @@ from typing import Any
 import pydantic
 from flask import Blueprint, jsonify, request
 
+from treadle.api.body import Time
 from treadle.api.context import int_arg, principal, services
-from treadle.api.schemas_billing import Time
 from treadle.platform import audit, catalog, commands, session_listing, tokenizers
 from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import ValidationError

@@ -1,5 +1,6 @@
-"""Request bodies of the JSON routes, as pydantic models (unknown fields are ignored, as the
-Tinker protocol's evolving clients expect). Parsing failures become a 400 naming the field.
+"""Request bodies of the Tinker protocol's JSON routes, as pydantic models (`body.Body`: unknown
+fields are ignored, as the protocol's evolving clients expect). Parsing failures become a 400
+naming the field.
 
 Every field is bounded (limits in platform.validation, listed in docs/api.md): ids and names in
 length, integers in range (seeds fit 64 bits), sampling parameters within what the worker can
@@ -12,14 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
-import pydantic
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
-from treadle.platform.errors import ValidationError
+from treadle.api.body import MAX_ID, MAX_TTL, Body, Id
 from treadle.platform.validation import (
-    MAX_ID_LENGTH,
     MAX_METADATA_BYTES,
     MAX_METADATA_DEPTH,
     MAX_METADATA_KEYS,
@@ -40,8 +39,6 @@ from treadle.platform.validation import (
     MIN_TOP_P,
 )
 
-MAX_ID = 2**62  # seq ids and counters fit a BIGINT with room to spare
-MAX_TTL = 10 * 365 * 24 * 3600
 MAX_DETAIL_LENGTH = 4096
 
 
@@ -111,14 +108,9 @@ def _top_p(value: float) -> float:
     return value
 
 
-Id = Annotated[str, Field(max_length=MAX_ID_LENGTH)]  # ids, names, paths, base model names
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]  # unsigned 64-bit
 Metadata = Annotated[dict[str, Any], AfterValidator(_metadata)]
 Tag = Annotated[str, Field(max_length=MAX_TAG_LENGTH)]
-
-
-class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
 
 class CreateSession(Body):
@@ -290,36 +282,3 @@ class Sample(Body):
 class RetrieveFuture(Body):
     request_id: Id
     allow_metadata_only: bool = False
-
-
-B = TypeVar("B", bound=Body)
-
-
-def reject_nul(value: Any, where: str = "body") -> None:
-    """PostgreSQL text cannot hold NUL; no identifier or name of ours may contain it."""
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise ValidationError(f"{where} contains a NUL character; remove it")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            reject_nul(key, where)
-            reject_nul(item, f"{where}.{key}")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            reject_nul(item, f"{where}[{i}]")
-
-
-def parse(model: type[B], payload: Any) -> B:
-    """Validate a JSON body; a failure is a 400 that names each bad field."""
-    if not isinstance(payload, dict):
-        raise ValidationError("the request body must be a JSON object; send {...} with its fields")
-    reject_nul(payload)
-    try:
-        return model.model_validate(payload)
-    except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
-            + e["msg"].removeprefix("Value error, ")
-            for e in exc.errors()
-        )
-        raise ValidationError(f"invalid {model.__name__} request: {problems}") from None

@@ -1,5 +1,5 @@
 """Request bodies of the tenant and key routes (`routes_admin`), as pydantic models parsed with
-`schemas.parse` (unknown fields are ignored; a failure is a 400 naming the field).
+`body.parse` (unknown fields are ignored; a failure is a 400 naming the field).
 Imports platform only; never torch.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from treadle.api.schemas import Body
+from treadle.api.body import Body
 from treadle.platform.tenants import MAX_NAME
 
 

@@ -1,51 +1,25 @@
-"""Request bodies and query strings of the billing routes (`routes_billing`,
-`routes_tinker_billing`), as pydantic models parsed with `schemas.parse`: a failure is a 400
-naming the field. Money arrives as USD (numbers or decimal strings) and becomes integer
-micro-dollars in the platform; times are ISO 8601, UTC unless they carry an offset.
+"""Request bodies and query strings of Treadle's billing routes (`routes_billing`), as pydantic
+models parsed with `body.parse`: a failure is a 400 naming the field. Money arrives as USD
+(numbers or decimal strings) and becomes integer micro-dollars in the platform; times are ISO
+8601, UTC unless they carry an offset (`body.Time`).
 Imports platform only; never torch.
 """
 
 from __future__ import annotations
 
 import re
-from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, field_validator
 
-from treadle.api.schemas import Body, Id
+from treadle.api.body import Body, Id, Time
 from treadle.platform.validation import MAX_ID_LENGTH
 
 MAX_USD = Decimal(10**12)  # a monthly budget; far beyond any real one, far inside a BIGINT
 MAX_SESSIONS = 2**31 - 1  # the column is a 32-bit integer
 MAX_TOKENS = 2**62 - 1
 _MONTH = re.compile(r"^(\d{4})-(\d{2})$")
-
-
-def _utc(value: Any) -> Any:
-    """A date means its UTC midnight; a time with no offset is UTC; years outside
-    2000-9998 are refused (they cannot hold usage, and near the ends they overflow)."""
-    if isinstance(value, str) and len(value) == 10 and value[4:5] == "-":
-        try:
-            value = datetime.combine(date.fromisoformat(value), datetime.min.time(), UTC)
-        except ValueError:
-            raise ValueError(f"{value!r} is not a date; write YYYY-MM-DD") from None
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError:
-            raise ValueError(
-                f"{value!r} is not an ISO 8601 time; write e.g. 2026-11-01T00:00:00Z"
-            ) from None
-    if isinstance(value, datetime):
-        if not 2000 <= value.year <= 9998:
-            raise ValueError(f"{value.isoformat()} is out of range; give a year 2000-9998")
-        return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-    raise ValueError("give an ISO 8601 time, e.g. 2026-11-01T00:00:00Z")
-
-
-Time = Annotated[datetime, BeforeValidator(_utc)]
 
 
 def _month(value: Any) -> tuple[int, int]:
@@ -107,17 +81,3 @@ class UsageQuery(Body):
 class BillQuery(Body):
     tenant: str | None = Field(None, min_length=1, max_length=MAX_ID_LENGTH)
     month: Month | None = None
-
-
-class BillingUsageQuery(Body):
-    """The Tinker SDK's GetBillingUsageRequest, as query parameters."""
-
-    starting_on: Time
-    ending_before: Time
-
-
-class StorageQuery(Body):
-    """The Tinker SDK's GetCurrentCheckpointStorageUsageRequest; Treadle has no projects, so a
-    project id matches nothing but the tenant's own storage."""
-
-    project_id: str | None = Field(None, max_length=MAX_ID_LENGTH)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from treadle.api.schemas import MAX_ID, Body, Id
+from treadle.api.body import MAX_ID, Body, Id
 
 
 class OpenReplay(Body):

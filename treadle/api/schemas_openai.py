@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from treadle.api.schemas import reject_nul
+from treadle.api.body import reject_nul
 from treadle.platform.errors import ValidationError
 from treadle.platform.validation import MAX_TOPK_LOGPROBS
 

@@ -1,5 +1,5 @@
 """Request bodies and query strings of the Tinker session routes (`routes_tinker_sessions`), as
-pydantic models parsed with `schemas.parse`: a failure is a 400 naming the field.
+pydantic models parsed with `body.parse`: a failure is a 400 naming the field.
 
 `SearchSessions` mirrors tinker.types.SessionSearchRequest (its owner and status queries are
 discriminated by `type`) with every string, list and map bounded; unknown fields are ignored.
@@ -12,8 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from treadle.api.schemas import MAX_ID, Body, Id
-from treadle.api.schemas_billing import Time
+from treadle.api.body import MAX_ID, Body, Id, Time
 from treadle.platform.validation import MAX_ID_LENGTH, MAX_METADATA_KEYS
 
 MAX_LIST_LIMIT = 1000

@@ -34,7 +34,17 @@ import sqlalchemy as sa
 from treadle.gpu_worker import faults, handlers, recovery, streaming, telemetry
 from treadle.gpu_worker.batching import Key
 from treadle.gpu_worker.engine import Engine, SampleBatch, SampleRequest, SampleResult
-from treadle.platform import cancellation, db, events, leases, metrics, notify, operations, progress
+from treadle.platform import (
+    cancellation,
+    db,
+    events,
+    leases,
+    metering,
+    metrics,
+    notify,
+    operations,
+    progress,
+)
 from treadle.platform import sessions as sessions_core
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import (
@@ -627,7 +637,7 @@ class SessionHost:
             notify.publish_done(self.redis, op.request_id, notice)
             telemetry.settled(self.worker_id, op, error, seconds, started_at)
         if settled.charge is not None:
-            metrics.count_charge(settled.charge)
+            metering.count_charge(settled.charge)
         return settled
 
     # --- samplers' snapshots and recovery points ----------------------------------------------

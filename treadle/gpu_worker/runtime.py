@@ -1,6 +1,6 @@
 """The worker process: a Celery worker (solo pool, prefetch 1, acks_late) hosting sessions.
 
-`run_worker` builds the engine and the session host, starts the metrics server (`telemetry`),
+`run_worker` builds the engine and the session host, starts the metrics server (`gauges`),
 registers the wake/stop tasks, starts the lease keeper (heartbeat, claiming unleased sessions,
 consuming leased sessions' queues, re-waking stalled operations) and runs Celery until
 SIGTERM/SIGINT. Imports platform and the engine; never api.
@@ -16,7 +16,7 @@ import redis
 from celery import Celery
 from celery.signals import after_setup_task_logger, worker_ready, worker_shutting_down
 
-from treadle.gpu_worker import heap, telemetry
+from treadle.gpu_worker import gauges, heap
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
 from treadle.platform import (
@@ -182,7 +182,7 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         released = leases.retire_worker(conn, worker_id, "the worker restarted")
     if released:
         log.info("%s: released %d lease(s) of a previous run", worker_id, len(released))
-    metrics_url = telemetry.serve(config, host)
+    metrics_url = gauges.serve(config, host)
     app = build_app(config, host)
     keeper = LeaseKeeper(config, host, app, metrics_url)
     # Start keeping leases once the consumer is connected, so its add_consumer requests land.

@@ -169,6 +169,16 @@ def mint_key(
     return NewKey(_api_key(row), plaintext)
 
 
+def create_tenant_key(
+    conn: sa.Connection, tenant_id: str, role: str = Role.MEMBER
+) -> tuple[str, str]:
+    """Create the tenant if needed and mint a key, with no role check (seeding and tests; the
+    API goes through `create_key`). Returns (key id, plaintext)."""
+    ensure_tenant(conn, tenant_id)
+    new = mint_key(conn, tenant_id, role)
+    return new.key.id, new.plaintext
+
+
 def open_tenant(
     conn: sa.Connection, principal: Principal, tenant_id: str, name: str | None = None
 ) -> NewTenant:

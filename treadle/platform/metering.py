@@ -23,7 +23,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from treadle.platform import prices, quotas
+from treadle.platform import metrics, prices, quotas
 from treadle.platform.errors import QuotaExceededError, RequestTooLargeError
 from treadle.platform.optypes import ForwardBackward, Payload, Sample
 from treadle.platform.schema import reservations, sessions, tenant_months, usage
@@ -333,6 +333,15 @@ def release(conn: sa.Connection, request_ids: Sequence[str]) -> int:
     for session_id, micro in sorted(by_session.items()):
         _add_session(conn, session_id, reserved_micro_usd=-micro)
     return sum(r.micro_usd for r in rows)
+
+
+def count_charge(charge: Charge) -> None:
+    """Count what a completed operation was billed, in the token and cost counters."""
+    for token_class, count in charge.tokens.items():
+        if count:
+            labels = (token_class, charge.base_model, charge.tenant_id)
+            metrics.TOKENS.labels(*labels).inc(count)
+            metrics.COST.labels(*labels).inc(charge.micro_usd.get(token_class, 0) / prices.MICRO)
 
 
 def _add_session(conn: sa.Connection, session_id: str, **deltas: int) -> None:

@@ -1,12 +1,13 @@
 """Prometheus metrics that both the API and the workers count: tokens and cost by token class,
 base model and tenant; quota rejections; operations admitted; event appends and append
-conflicts; lease changes; the process's resident memory. The catalogue (names, labels, what
+conflicts; lease changes; the process's resident memory (what a charge adds to the token and
+cost counters is counted by `metering.count_charge`). The catalogue (names, labels, what
 each counts) is in docs/operations.md, "Metrics".
 
 What a transaction records is counted once it commits (`after_commit`), so a retried
 settlement or a refused request that rolled back is not counted. No session, request or key
 ids in labels. The HTTP metrics and /metrics route are the API's (`treadle.api.telemetry`), the
-operation and gauge metrics the worker's (`treadle.gpu_worker.telemetry`).
+operation metrics the worker's (`treadle.gpu_worker.telemetry`, its gauges `gauges`).
 Imports nothing from api, gpu_worker, flask or torch.
 """
 
@@ -14,16 +15,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from prometheus_client import Counter, Gauge
 
 from treadle.platform.after_commit import after_commit
-from treadle.platform.prices import MICRO
-
-if TYPE_CHECKING:  # metering imports the event store, which counts its appends here
-    from treadle.platform.metering import Charge
 
 TOKENS = Counter(
     "treadle_tokens",
@@ -72,15 +68,6 @@ PROCESS_MEMORY = Gauge(
 
 _STATM = Path("/proc/self/statm")
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def count_charge(charge: Charge) -> None:
-    """Count what a completed operation was billed."""
-    for token_class, count in charge.tokens.items():
-        if count:
-            labels = (token_class, charge.base_model, charge.tenant_id)
-            TOKENS.labels(*labels).inc(count)
-            COST.labels(*labels).inc(charge.micro_usd.get(token_class, 0) / MICRO)
 
 
 def count_rejection(reason: str) -> None:

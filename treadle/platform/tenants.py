@@ -120,17 +120,6 @@ def ensure_tenant(conn: sa.Connection, tenant_id: str, name: str | None = None) 
     conn.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
 
 
-def create_key(conn: sa.Connection, tenant_id: str, role: str = Role.MEMBER) -> tuple[str, str]:
-    """Create the tenant if needed and mint a key, with no role check (seeding and tests; the
-    API goes through `keys.create_key`). Returns (key id, plaintext). Kept for callers written
-    before `keys` existed; new code calls `keys.mint_key`."""
-    from treadle.platform import keys  # keys imports this module
-
-    ensure_tenant(conn, tenant_id)
-    new = keys.mint_key(conn, tenant_id, role)
-    return new.key.id, new.plaintext
-
-
 def create_tenant(
     conn: sa.Connection, principal: Principal, tenant_id: str, name: str | None = None
 ) -> Tenant:
