@@ -31,7 +31,7 @@ from treadle.gpu_worker.engine import (  # noqa: E402
     LoraSpec,
     SamplingSpec,
 )
-from treadle.platform.catalog import SMOLLM2_NAME, TINY_DEBUG_NAME  # noqa: E402
+from treadle.platform.models.catalog import SMOLLM2_NAME, TINY_DEBUG_NAME  # noqa: E402
 
 CHATS = [
     ("What is the capital of France?", "The capital of France is Paris."),

@@ -49,9 +49,13 @@ import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from treadle.platform import db, events, operations, sessions, tenants  # noqa: E402
+from treadle.platform import db  # noqa: E402
 from treadle.platform.embedded import EmbeddedPostgres, free_port  # noqa: E402
-from treadle.platform.optypes import ForwardBackward  # noqa: E402
+from treadle.platform.eventlog import events  # noqa: E402
+from treadle.platform.eventlog.optypes import ForwardBackward  # noqa: E402
+from treadle.platform.operations import operations  # noqa: E402
+from treadle.platform.sessions import sessions  # noqa: E402
+from treadle.platform.tenancy import tenants  # noqa: E402
 
 TARGET_APPENDS_PER_SECOND = 5000
 TENANT = "bench"

@@ -31,8 +31,10 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.integration.wire_client import WireClient, datum  # noqa: E402
-from treadle.platform import db, keys, prices, quotas, tenants  # noqa: E402
+from treadle.platform import db  # noqa: E402
+from treadle.platform.billing import prices, quotas  # noqa: E402
 from treadle.platform.embedded import free_port  # noqa: E402
+from treadle.platform.tenancy import keys, tenants  # noqa: E402
 from treadle.recipes.platform_process import LocalPlatform  # noqa: E402
 
 BASE_MODEL = "treadle/tiny-debug"

@@ -46,8 +46,8 @@ from peft_baseline import (  # noqa: E402
 )
 
 import treadle  # noqa: E402
-from treadle.platform.catalog import SMOLLM2_NAME  # noqa: E402
 from treadle.platform.embedded import free_port  # noqa: E402
+from treadle.platform.models.catalog import SMOLLM2_NAME  # noqa: E402
 from treadle.recipes.platform_process import LocalPlatform  # noqa: E402
 
 MB = 1024 * 1024

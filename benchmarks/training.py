@@ -30,8 +30,8 @@ import torch  # noqa: E402
 from peft_baseline import Baseline, batch, memory, reset_peak, worker_pid  # noqa: E402
 
 import treadle  # noqa: E402
-from treadle.platform.catalog import SMOLLM2_NAME  # noqa: E402
 from treadle.platform.embedded import free_port  # noqa: E402
+from treadle.platform.models.catalog import SMOLLM2_NAME  # noqa: E402
 from treadle.recipes.platform_process import LocalPlatform  # noqa: E402
 
 MB = 1024 * 1024

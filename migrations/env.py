@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from treadle.platform.schema import metadata
+from treadle.platform.eventlog.schema import metadata
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url")

@@ -22,8 +22,9 @@ from flask.testing import FlaskClient
 from tests.databases import private_database
 from treadle.api.app import create_app
 from treadle.api.context import Services
-from treadle.platform import db, leases
+from treadle.platform import db
 from treadle.platform.config import PlatformConfig
+from treadle.platform.sessions import leases
 
 FAKE_WORKER = "worker-security"
 

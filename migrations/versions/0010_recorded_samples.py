@@ -1,6 +1,6 @@
 """Recorded samples: `recorded_samples`, one row per sample requested with
 record_stability_info, so training data's provenance can name its sequences and the
-stable_reinforce loss can read the sampler's own logprobs (platform/recorded_samples.py).
+stable_reinforce loss can read the sampler's own logprobs (platform/operations/recorded_samples.py).
 
 Revision ID: 0010
 Revises: 0009

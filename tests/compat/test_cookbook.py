@@ -29,8 +29,9 @@ from tinker_cookbook.renderers.base import ParseTermination
 from tests.conftest import Platform, new_tenant_key
 from treadle import cookbook
 from treadle.client.admin import AdminClient
-from treadle.platform import catalog, db, tokenizers
-from treadle.platform.schema import events
+from treadle.platform import db
+from treadle.platform.eventlog.schema import events
+from treadle.platform.models import catalog, tokenizers
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,8 @@ from tinker import types
 
 from tests.compat.lossy_proxy import lossy_proxy
 from tests.conftest import Platform, new_tenant_key
-from treadle.platform import db, events
+from treadle.platform import db
+from treadle.platform.eventlog import events
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from tinker import types
 
 from tests.conftest import Platform
 from treadle.client.admin import AdminClient
-from treadle.platform import tokenizers
+from treadle.platform.models import tokenizers
 
 pytestmark = [pytest.mark.compat, pytest.mark.integration]
 

@@ -27,7 +27,9 @@ from tinker import types
 
 from tests.conftest import Platform
 from treadle.client.admin import AdminClient
-from treadle.platform import db, keys, tokenizers
+from treadle.platform import db
+from treadle.platform.models import tokenizers
+from treadle.platform.tenancy import keys
 
 pytestmark = [pytest.mark.compat, pytest.mark.integration]
 

@@ -21,8 +21,8 @@ from tinker import types
 from tests.conftest import Platform, new_tenant_key
 from tests.served_app import replica
 from treadle.platform import db
-from treadle.platform import recorded_samples as recorded_samples_core
-from treadle.platform.schema import recorded_samples
+from treadle.platform.eventlog.schema import recorded_samples
+from treadle.platform.operations import recorded_samples as recorded_samples_core
 
 pytestmark = pytest.mark.integration
 
@@ -243,7 +243,7 @@ def test_an_expired_record_is_purged_an_hour_after_it_expired(
 def test_recorded_sequences_expire_after_their_time_to_live(
     platform: Platform, key: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="treadle.platform.recorded_samples")
+    caplog.set_level(logging.INFO, logger="treadle.platform.operations.recorded_samples")
     with replica(platform, recorded_sample_ttl_seconds=SHORT_TTL_SECONDS) as (base_url, _):
         svc = tinker.ServiceClient(base_url=base_url, api_key=key)
         try:

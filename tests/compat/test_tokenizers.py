@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import Platform, new_tenant_key
 from tests.secure_app import SecureApp
-from treadle.platform import catalog
+from treadle.platform.models import catalog
 
 pytestmark = pytest.mark.integration
 

@@ -64,7 +64,7 @@ def _changed(up: Up, key: str, pid: int) -> dict[str, Any] | None:
 
 
 def test_up_names_its_workers_as_treadle_worker_would(up: Up) -> None:
-    from treadle.platform.supervisor import default_worker_id
+    from treadle.platform.sessions.supervisor import default_worker_id
 
     config = PlatformConfig(database_url=up.database_url)
     workers = up.state()["workers"]

@@ -17,9 +17,11 @@ from flask.testing import FlaskClient
 from tinker import types
 
 from tests.integration.wire_client import datum
-from treadle.platform import leases, notify, operations
-from treadle.platform import sessions as sessions_core
 from treadle.platform.embedded import EmbeddedPostgres, EmbeddedRedis
+from treadle.platform.eventlog import notify
+from treadle.platform.operations import operations
+from treadle.platform.sessions import leases
+from treadle.platform.sessions import sessions as sessions_core
 
 KEY = "tml-degrade-" + secrets.token_hex(8)
 WORKER = "worker-degrade"

@@ -19,8 +19,10 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.integration.wire_client import datum
 from tests.secure_app import SecureApp
-from treadle.platform import auto_checkpoints, checkpoints, keys, metering
-from treadle.platform.sessions import get_session
+from treadle.platform.billing import metering
+from treadle.platform.checkpoints import auto_checkpoints, checkpoints
+from treadle.platform.sessions.sessions import get_session
+from treadle.platform.tenancy import keys
 
 pytestmark = pytest.mark.integration
 

@@ -23,8 +23,8 @@ import sqlalchemy as sa
 from tests.conftest import Platform
 from tests.integration.wire_client import WireClient
 from treadle.client.admin import AdminClient
-from treadle.platform import metering
-from treadle.platform.sessions import get_session
+from treadle.platform.billing import metering
+from treadle.platform.sessions.sessions import get_session
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,12 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from treadle.platform import events, leases, operations, sessions, tenants
-from treadle.platform.optypes import ForwardBackward
-from treadle.platform.schema import metadata
+from treadle.platform.eventlog import events
+from treadle.platform.eventlog.optypes import ForwardBackward
+from treadle.platform.eventlog.schema import metadata
+from treadle.platform.operations import operations
+from treadle.platform.sessions import leases, sessions
+from treadle.platform.tenancy import tenants
 
 pytestmark = pytest.mark.integration
 

@@ -32,11 +32,16 @@ from tests.integration.wire_client import datum
 from treadle.client.admin import AdminClient
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
-from treadle.platform import commands, db, leases, lineage, routing, schema, storage
-from treadle.platform import sessions as sessions_core
+from treadle.platform import db
+from treadle.platform.audit import lineage
+from treadle.platform.checkpoints import storage
 from treadle.platform.config import PlatformConfig
-from treadle.platform.routing import make_celery
-from treadle.platform.tenants import Principal
+from treadle.platform.eventlog import schema
+from treadle.platform.operations import commands
+from treadle.platform.sessions import leases, routing
+from treadle.platform.sessions import sessions as sessions_core
+from treadle.platform.sessions.routing import make_celery
+from treadle.platform.tenancy.tenants import Principal
 
 pytestmark = pytest.mark.integration
 

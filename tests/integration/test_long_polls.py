@@ -34,7 +34,7 @@ from tests.integration.degraded import (
 from tests.integration.wire_client import WireClient, datum
 from tests.served_app import served
 from treadle.api.context import Services
-from treadle.platform import notify
+from treadle.platform.eventlog import notify
 
 pytestmark = pytest.mark.integration
 

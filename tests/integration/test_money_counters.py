@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.secure_app import SecureApp
-from treadle.platform import keys, metering, quotas, tenants
+from treadle.platform.billing import metering, quotas
+from treadle.platform.tenancy import keys, tenants
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.integration.wire_client import WireClient, datum
-from treadle.platform import events
+from treadle.platform.eventlog import events
 
 pytestmark = pytest.mark.integration
 

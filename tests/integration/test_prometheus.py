@@ -35,7 +35,8 @@ from tests.conftest import Platform
 from tests.integration.prometheus_server import Prometheus, require, running_prometheus
 from tests.integration.wire_client import WireClient, datum
 from treadle.client.admin import AdminClient
-from treadle.platform import db, leases
+from treadle.platform import db
+from treadle.platform.sessions import leases
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from tests.conftest import Services
-from treadle.platform import routing
+from treadle.platform.sessions import routing
 
 pytestmark = pytest.mark.integration
 

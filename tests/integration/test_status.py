@@ -21,7 +21,8 @@ from tests.integration.wire_client import WireClient
 from tests.secure_app import FAKE_WORKER, SecureApp, running_secure_app
 from treadle.client.admin import AdminClient
 from treadle.client.rest import TreadleApiError
-from treadle.platform import keys, leases
+from treadle.platform.sessions import leases
+from treadle.platform.tenancy import keys
 
 pytestmark = pytest.mark.integration
 

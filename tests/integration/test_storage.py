@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.s3_server import SeaweedS3
-from treadle.platform.config import PlatformConfig
-from treadle.platform.errors import NotFoundError, UnavailableError, ValidationError
-from treadle.platform.storage import (
+from treadle.platform.checkpoints.storage import (
     LocalStore,
     ObjectStore,
     S3Store,
@@ -24,6 +22,8 @@ from treadle.platform.storage import (
     store_from_config,
     tenant_key,
 )
+from treadle.platform.config import PlatformConfig
+from treadle.platform.errors import NotFoundError, UnavailableError, ValidationError
 
 pytestmark = pytest.mark.integration
 

@@ -22,9 +22,13 @@ from tinker import types
 
 from tests.conftest import Platform
 from treadle.client.admin import AdminClient
-from treadle.platform import commands, db, keys, operations, optypes, progress, routing
+from treadle.platform import db
 from treadle.platform.config import PlatformConfig
-from treadle.platform.tenants import Principal
+from treadle.platform.eventlog import optypes, progress
+from treadle.platform.operations import commands, operations
+from treadle.platform.sessions import routing
+from treadle.platform.tenancy import keys
+from treadle.platform.tenancy.tenants import Principal
 
 pytestmark = pytest.mark.integration
 

@@ -26,8 +26,10 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.conftest import Platform
 from tests.integration.wire_client import WireClient
-from treadle.platform import keys, prices, quotas, routing, tenants
-from treadle.platform.tenants import Principal
+from treadle.platform.billing import prices, quotas
+from treadle.platform.sessions import routing
+from treadle.platform.tenancy import keys, tenants
+from treadle.platform.tenancy.tenants import Principal
 
 BASE_MODEL = "treadle/tiny-debug"
 CLASSES = ("prefill", "sample", "train")

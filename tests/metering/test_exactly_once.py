@@ -19,7 +19,7 @@ from tests.metering.conftest import (
     input_tokens,
     wait_consumed,
 )
-from treadle.platform import routing
+from treadle.platform.sessions import routing
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from tinker.proto import tinker_public_pb2 as pb
 
 from tests.secure_app import SecureApp
-from treadle.platform import validation
+from treadle.platform.models import validation
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.integration.wire_client import datum
 from tests.secure_app import SecureApp
-from treadle.platform import checkpoints, keys, tenants
+from treadle.platform.checkpoints import checkpoints
+from treadle.platform.tenancy import keys, tenants
 
 pytestmark = pytest.mark.integration
 

@@ -22,8 +22,8 @@ from tests.secure_app import SecureApp
 from treadle import cli
 from treadle.api.app import create_app
 from treadle.api.context import Services
-from treadle.platform import keys, tenants
 from treadle.platform.errors import AuthenticationError
+from treadle.platform.tenancy import keys, tenants
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from tinker import types
 
 from tests.secure_app import SecureApp
-from treadle.platform import keys, tenants
+from treadle.platform.tenancy import keys, tenants
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from treadle.gpu_worker import models  # noqa: E402
 from treadle.gpu_worker.engine import AdamSpec, Engine, EngineDatum, LoraSpec  # noqa: E402
-from treadle.platform.catalog import TINY_DEBUG_NAME  # noqa: E402
-from treadle.platform.tokenizers import load_tokenizer  # noqa: E402
+from treadle.platform.models.catalog import TINY_DEBUG_NAME  # noqa: E402
+from treadle.platform.models.tokenizers import load_tokenizer  # noqa: E402
 
 TINY = TINY_DEBUG_NAME
 LORA = LoraSpec(rank=4, alpha=8.0, seed=3)

@@ -23,8 +23,8 @@ from engine_support import (
 
 from treadle.gpu_worker import adapter_files, models
 from treadle.gpu_worker.engine import Engine, EngineDatum, LoraSpec, SamplingSpec
-from treadle.platform.catalog import SMOLLM2_NAME
 from treadle.platform.errors import ConflictError, ValidationError
+from treadle.platform.models.catalog import SMOLLM2_NAME
 
 ALL_PARTS = LoraSpec(rank=4, alpha=8.0, seed=5, train_attn=True, train_mlp=True)
 

@@ -13,8 +13,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from treadle.platform import catalog, tokenizers  # noqa: E402
 from treadle.platform.errors import ValidationError  # noqa: E402
+from treadle.platform.models import catalog, tokenizers  # noqa: E402
 
 
 def test_catalog_lists_tiny_debug_and_smollm2() -> None:
@@ -43,11 +43,13 @@ def test_missing_gguf_package_says_how_to_install(monkeypatch: pytest.MonkeyPatc
         catalog.smollm2_gguf_path()
 
 
-@pytest.mark.parametrize("module", ["treadle.platform.catalog", "treadle.platform.tokenizers"])
+@pytest.mark.parametrize(
+    "module", ["treadle.platform.models.catalog", "treadle.platform.models.tokenizers"]
+)
 def test_module_imports_neither_torch_nor_transformers(module: str) -> None:
     # Stub the parent packages: `treadle/__init__` imports the tinker SDK, which imports torch
     # when it is installed; this test is about the module's own imports.
-    root = Path(catalog.__file__).parents[2]
+    root = Path(catalog.__file__).parents[3]
     code = f"""
 import sys, types
 for name in ("treadle", "treadle.platform"):

@@ -30,8 +30,8 @@ from treadle.gpu_worker.losses import (
     microbatches,
     padded_tokens,
 )
-from treadle.platform.catalog import SMOLLM2_NAME
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
+from treadle.platform.models.catalog import SMOLLM2_NAME
 
 
 def bare_base_logprobs(cache_dir: Path, datum: EngineDatum) -> np.ndarray:

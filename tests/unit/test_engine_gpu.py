@@ -24,7 +24,7 @@ from engine_support import (
 )
 
 from treadle.gpu_worker.engine import Engine, LoraSpec, SamplingSpec
-from treadle.platform.catalog import SMOLLM2_NAME
+from treadle.platform.models.catalog import SMOLLM2_NAME
 
 pytestmark = pytest.mark.gpu
 

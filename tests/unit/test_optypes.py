@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from treadle.platform import optypes
-from treadle.platform.optypes import OpType
+from treadle.platform.eventlog import optypes
+from treadle.platform.eventlog.optypes import OpType
 
 LORA = optypes.LoraConfig(rank=4, alpha=8.0)
 FB = {

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from treadle.platform import operations
-from treadle.platform.optypes import OpType
+from treadle.platform.eventlog.optypes import OpType
+from treadle.platform.operations import operations
 
 LIMIT = 4096
 

@@ -18,9 +18,9 @@ from engine_support import PROMPT, TINY
 from tests.conftest import Services
 from treadle.gpu_worker.engine import Engine, SampleRequest, SampleResult, SamplingSpec
 from treadle.gpu_worker.streaming import Streams
-from treadle.platform import notify, progress
 from treadle.platform.errors import OperationCancelledError
-from treadle.platform.progress import ProgressTimeoutError
+from treadle.platform.eventlog import notify, progress
+from treadle.platform.eventlog.progress import ProgressTimeoutError
 
 SHORT_PROMPT = [1, 300, 17]
 

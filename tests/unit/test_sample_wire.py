@@ -122,7 +122,7 @@ def test_a_malformed_provenance_span_is_refused_by_name(span: dict, says: str) -
 
 
 def test_a_sample_payload_with_every_option_round_trips_through_the_log() -> None:
-    from treadle.platform import optypes
+    from treadle.platform.eventlog import optypes
 
     payload = optypes.Sample(
         prompt=[1, 2, 3],

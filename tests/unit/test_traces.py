@@ -1,4 +1,4 @@
-"""The trace builder (`treadle.platform.traces`): one complete event per operation, times in
+"""The trace builder (`treadle.platform.audit.traces`): one complete event per operation, times in
 microseconds since the origin, and overlapping operations of one type on lanes of their own."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from treadle.platform import traces
+from treadle.platform.audit import traces
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 

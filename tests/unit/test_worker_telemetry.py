@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from treadle.gpu_worker import telemetry
-from treadle.platform.operations import OperationRow
-from treadle.platform.optypes import OpStatus, OpType
+from treadle.platform.eventlog.optypes import OpStatus, OpType
+from treadle.platform.operations.operations import OperationRow
 
 
 def operation(requested_at: datetime) -> OperationRow:

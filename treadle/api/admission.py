@@ -16,8 +16,8 @@ from flask import g
 
 from treadle.api.body import B, parse
 from treadle.api.context import json_body, principal, services
-from treadle.platform import commands, operations
-from treadle.platform.optypes import Payload
+from treadle.platform.eventlog.optypes import Payload
+from treadle.platform.operations import commands, operations
 
 MAX_SEQ = 2**62
 

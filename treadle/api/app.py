@@ -41,10 +41,13 @@ from treadle.api import (
     telemetry,
 )
 from treadle.api.context import Services
-from treadle.platform import db, notify, prices, quotas, storage
+from treadle.platform import db
+from treadle.platform.billing import prices, quotas
+from treadle.platform.checkpoints import storage
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import ValidationError
-from treadle.platform.routing import make_celery
+from treadle.platform.eventlog import notify
+from treadle.platform.sessions.routing import make_celery
 
 # /metrics: Prometheus scrapes without a key (serve the API where only operators reach it).
 PUBLIC_PATHS = ("/healthz", "/api/v1/healthz", "/api/v1/openapi.json", "/metrics")

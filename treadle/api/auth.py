@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from flask import Flask, current_app
 
-from treadle.platform import keys
-from treadle.platform.tenants import DEFAULT_TENANT, Principal, Role
+from treadle.platform.tenancy import keys
+from treadle.platform.tenancy.tenants import DEFAULT_TENANT, Principal, Role
 
 CACHE_SECONDS = 1.0
 MAX_ENTRIES = 10_000

@@ -25,7 +25,7 @@ from flask import Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from treadle.platform.errors import ValidationError
-from treadle.platform.validation import (
+from treadle.platform.models.validation import (
     MAX_ID_LENGTH,
     MAX_INT_DIGITS,
     MAX_JSON_DEPTH,

@@ -15,10 +15,15 @@ from flask import current_app, g, request
 from redis import Redis
 
 from treadle.api import body
-from treadle.platform import commands, db, notify, quotas, storage, tenants
-from treadle.platform import sessions as sessions_core
+from treadle.platform import db
+from treadle.platform.billing import quotas
+from treadle.platform.checkpoints import storage
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import ValidationError
+from treadle.platform.eventlog import notify
+from treadle.platform.operations import commands
+from treadle.platform.sessions import sessions as sessions_core
+from treadle.platform.tenancy import tenants
 
 # How long a client should wait after a dependency failed (the Retry-After header). The tinker
 # SDK's ordinary requests honour it (up to 60 s; tinker/_base_client.py _calculate_retry_timeout).

@@ -18,8 +18,10 @@ from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from treadle.api.context import RETRY_AFTER_SECONDS, Services
-from treadle.platform import metrics, operations, routing
+from treadle.platform import metrics
 from treadle.platform.errors import LimitError, TreadleError, UnavailableError
+from treadle.platform.operations import operations
+from treadle.platform.sessions import routing
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treadle.platform import db, futures, openai_serving, operations, progress
+from treadle.platform import db
 from treadle.platform.errors import TreadleError
-from treadle.platform.optypes import OpStatus
-from treadle.platform.tenants import Principal
+from treadle.platform.eventlog import progress
+from treadle.platform.eventlog.optypes import OpStatus
+from treadle.platform.operations import futures, operations
+from treadle.platform.serving import openai_serving
+from treadle.platform.tenancy.tenants import Principal
 
 log = logging.getLogger(__name__)
 

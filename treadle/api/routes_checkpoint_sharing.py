@@ -24,7 +24,7 @@ from flask import Blueprint, jsonify, request, send_file, url_for
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
 from treadle.api.schemas_tinker_extras import CopyWeights
-from treadle.platform import checkpoint_links, copies, publishing
+from treadle.platform.checkpoints import checkpoint_links, copies, publishing
 from treadle.platform.errors import NotFoundError, ValidationError
 
 bp = Blueprint("checkpoint_sharing", __name__)

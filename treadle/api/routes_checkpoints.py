@@ -27,9 +27,11 @@ from treadle.api.schemas import (
     WeightsInfo,
 )
 from treadle.api.schemas_tinker_extras import SaveWeightsExternal
-from treadle.platform import checkpoints, commands, operations, optypes, publishing, storage
-from treadle.platform import sessions as sessions_core
+from treadle.platform.checkpoints import checkpoints, publishing, storage
 from treadle.platform.errors import NotFoundError, ValidationError
+from treadle.platform.eventlog import optypes
+from treadle.platform.operations import commands, operations
+from treadle.platform.sessions import sessions as sessions_core
 
 bp = Blueprint("checkpoints", __name__, url_prefix="/api/v1")
 

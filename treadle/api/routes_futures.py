@@ -20,8 +20,9 @@ from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
 from treadle.api.schemas import RetrieveFuture
 from treadle.api.wire import encode_forward_backward_output, encode_sample_response
-from treadle.platform import db, operations
-from treadle.platform.optypes import OpStatus, OpType
+from treadle.platform import db
+from treadle.platform.eventlog.optypes import OpStatus, OpType
+from treadle.platform.operations import operations
 
 bp = Blueprint("futures", __name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 
 from treadle.api.context import services
-from treadle.platform import catalog, tokenizers
+from treadle.platform.models import catalog, tokenizers
 
 bp = Blueprint("hf", __name__, url_prefix="/hf")
 

@@ -24,9 +24,12 @@ from treadle.api.schemas_openai import (
     ParamError,
     parse,
 )
-from treadle.platform import commands, db, openai_models, openai_serving, operations, progress
+from treadle.platform import db
 from treadle.platform.errors import LimitError, TreadleError, UnavailableError, ValidationError
-from treadle.platform.optypes import OpStatus
+from treadle.platform.eventlog import progress
+from treadle.platform.eventlog.optypes import OpStatus
+from treadle.platform.operations import commands, operations
+from treadle.platform.serving import openai_models, openai_serving
 
 bp = Blueprint("openai", __name__, url_prefix="/v1")
 

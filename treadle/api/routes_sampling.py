@@ -15,17 +15,12 @@ from treadle.api.admission import submit
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
 from treadle.api.schemas import CreateSamplingSession, PromptIdTable, Sample
-from treadle.platform import (
-    catalog,
-    commands,
-    operations,
-    optypes,
-    publishing,
-    recorded_samples,
-    validation,
-)
-from treadle.platform import sessions as sessions_core
+from treadle.platform.checkpoints import publishing
 from treadle.platform.errors import ValidationError
+from treadle.platform.eventlog import optypes
+from treadle.platform.models import catalog, validation
+from treadle.platform.operations import commands, operations, recorded_samples
+from treadle.platform.sessions import sessions as sessions_core
 
 bp = Blueprint("sampling", __name__)
 

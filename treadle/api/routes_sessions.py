@@ -16,8 +16,10 @@ from flask import Blueprint, jsonify
 from treadle.api.body import parse
 from treadle.api.context import RETRY_AFTER_SECONDS, json_body, principal, services
 from treadle.api.schemas import CreateSession, FinishSession, SessionRef
-from treadle.platform import catalog, commands, leases, validation
-from treadle.platform import sessions as sessions_core
+from treadle.platform.models import catalog, validation
+from treadle.platform.operations import commands
+from treadle.platform.sessions import leases
+from treadle.platform.sessions import sessions as sessions_core
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from flask import Blueprint, jsonify
 
 from treadle.api.context import principal, services
 from treadle.platform import db
-from treadle.platform.status import read_status
+from treadle.platform.sessions.status import read_status
 
 bp = Blueprint("status", __name__, url_prefix="/api/v1/treadle")
 

@@ -23,8 +23,8 @@ from flask import Blueprint, jsonify, request
 from treadle.api.body import parse
 from treadle.api.context import principal, services
 from treadle.api.schemas_tinker_billing import BillingUsageQuery, StorageQuery
-from treadle.platform import usage_hourly
-from treadle.platform.prices import MICRO
+from treadle.platform.billing import usage_hourly
+from treadle.platform.billing.prices import MICRO
 
 bp = Blueprint("tinker_billing", __name__, url_prefix="/api/v1/billing")
 

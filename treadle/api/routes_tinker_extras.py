@@ -22,10 +22,11 @@ from flask import Blueprint, jsonify
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
 from treadle.api.schemas_tinker_extras import AssignProject, JoinSamplingSession
-from treadle.platform import futures, keys
-from treadle.platform import sessions as sessions_core
 from treadle.platform.errors import PermissionDeniedError, ValidationError
-from treadle.platform.tenants import Role
+from treadle.platform.operations import futures
+from treadle.platform.sessions import sessions as sessions_core
+from treadle.platform.tenancy import keys
+from treadle.platform.tenancy.tenants import Role
 
 bp = Blueprint("tinker_extras", __name__, url_prefix="/api/v1")
 

@@ -22,7 +22,8 @@ from flask import Blueprint, jsonify
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
 from treadle.api.schemas_tinker_extras import CancelFuture, RetrieveFutures
-from treadle.platform import db, futures
+from treadle.platform import db
+from treadle.platform.operations import futures
 
 bp = Blueprint("tinker_futures", __name__)
 

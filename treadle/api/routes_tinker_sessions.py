@@ -34,11 +34,11 @@ from treadle.api.schemas_sessions import (
     SessionQuery,
     StatusQuery,
 )
-from treadle.platform import audit_log, trace_exports
-from treadle.platform import client_session_views as views
+from treadle.platform.audit import audit_log, trace_exports
+from treadle.platform.audit import client_session_views as views
 from treadle.platform.errors import PermissionDeniedError, ValidationError
-from treadle.platform.sessions import ClientSessionStatus
-from treadle.platform.tenants import Principal
+from treadle.platform.sessions.sessions import ClientSessionStatus
+from treadle.platform.tenancy.tenants import Principal
 
 bp = Blueprint("tinker_sessions", __name__)
 

@@ -17,17 +17,12 @@ from treadle.api.body import parse
 from treadle.api.context import base_model_of, json_body, principal, services
 from treadle.api.schemas import CreateModel, ModelRef, OptimStep
 from treadle.api.wire import decode_forward_backward
-from treadle.platform import (
-    catalog,
-    commands,
-    operations,
-    optypes,
-    prices,
-    recorded_samples,
-    validation,
-)
-from treadle.platform import sessions as sessions_core
+from treadle.platform.billing import prices
 from treadle.platform.errors import ValidationError
+from treadle.platform.eventlog import optypes
+from treadle.platform.models import catalog, validation
+from treadle.platform.operations import commands, operations, recorded_samples
+from treadle.platform.sessions import sessions as sessions_core
 
 bp = Blueprint("training", __name__)
 

@@ -17,9 +17,11 @@ from flask import Blueprint, jsonify, request
 
 from treadle.api.body import Time
 from treadle.api.context import int_arg, principal, services
-from treadle.platform import audit, catalog, commands, session_listing, tokenizers
-from treadle.platform import sessions as sessions_core
+from treadle.platform.audit import audit, session_listing
 from treadle.platform.errors import ValidationError
+from treadle.platform.models import catalog, tokenizers
+from treadle.platform.operations import commands
+from treadle.platform.sessions import sessions as sessions_core
 
 log = logging.getLogger(__name__)
 

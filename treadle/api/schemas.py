@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field, model_validator
 
 from treadle.api.body import MAX_ID, MAX_TTL, Body, Id
-from treadle.platform.validation import (
+from treadle.platform.models.validation import (
     MAX_METADATA_BYTES,
     MAX_METADATA_DEPTH,
     MAX_METADATA_KEYS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from treadle.api.body import Body
-from treadle.platform.tenants import MAX_NAME
+from treadle.platform.tenancy.tenants import MAX_NAME
 
 
 class CreateTenant(Body):

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, field_validator
 
 from treadle.api.body import Body, Id, Time
-from treadle.platform.validation import MAX_ID_LENGTH
+from treadle.platform.models.validation import MAX_ID_LENGTH
 
 MAX_USD = Decimal(10**12)  # a monthly budget; far beyond any real one, far inside a BIGINT
 MAX_SESSIONS = 2**31 - 1  # the column is a 32-bit integer

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from treadle.api.body import reject_nul
 from treadle.platform.errors import ValidationError
-from treadle.platform.validation import MAX_TOPK_LOGPROBS
+from treadle.platform.models.validation import MAX_TOPK_LOGPROBS
 
 MAX_CHOICES = 16  # n: samples per request
 MAX_STOPS = 4  # OpenAI's limit on stop sequences

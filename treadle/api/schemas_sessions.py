@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from treadle.api.body import MAX_ID, Body, Id, Time
-from treadle.platform.validation import MAX_ID_LENGTH, MAX_METADATA_KEYS
+from treadle.platform.models.validation import MAX_ID_LENGTH, MAX_METADATA_KEYS
 
 MAX_LIST_LIMIT = 1000
 MAX_SEARCH_LIMIT = 200

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from treadle.api.body import Body, Time
-from treadle.platform.validation import MAX_ID_LENGTH
+from treadle.platform.models.validation import MAX_ID_LENGTH
 
 
 class BillingUsageQuery(Body):

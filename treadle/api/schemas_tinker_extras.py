@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from treadle.api.body import MAX_ID, MAX_TTL, Body, Id
-from treadle.platform.futures import CLONE_BLOCK
+from treadle.platform.operations.futures import CLONE_BLOCK
 
 MAX_RECIPIENTS = 10  # the SDK's documented limit of age recipients
 MAX_ACKNOWLEDGED = 10_000

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from treadle.api import tinker_proto
 from treadle.platform.errors import ValidationError
-from treadle.platform.validation import (
+from treadle.platform.models.validation import (
     FWDBWD_MAX_CHUNK_LEN,
     MAX_DATUMS,
     MAX_LOSS_INPUTS,

@@ -17,9 +17,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from treadle.gpu_worker.engine import Engine
-from treadle.platform import checkpoints, events
-from treadle.platform.optypes import SaveWeights
-from treadle.platform.storage import ObjectStore
+from treadle.platform.checkpoints import checkpoints
+from treadle.platform.checkpoints.storage import ObjectStore
+from treadle.platform.eventlog import events
+from treadle.platform.eventlog.optypes import SaveWeights
 
 
 def _upload(store: ObjectStore, folder: Path, prefix: str) -> int:

@@ -45,15 +45,15 @@ from treadle.gpu_worker.sampler import (
     SamplingSpec,
 )
 from treadle.gpu_worker.snapshots import Snapshot, Snapshots
-from treadle.platform.catalog import BaseModelInfo, get_base_model
 from treadle.platform.errors import (
     ConflictError,
     NotFoundError,
     UnavailableError,
     ValidationError,
 )
-from treadle.platform.losses import resolve_config
-from treadle.platform.tokenizers import load_tokenizer, tokenizer_files
+from treadle.platform.models.catalog import BaseModelInfo, get_base_model
+from treadle.platform.models.losses import resolve_config
+from treadle.platform.models.tokenizers import load_tokenizer, tokenizer_files
 
 __all__ = [
     "AdamSpec",

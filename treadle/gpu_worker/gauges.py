@@ -21,8 +21,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from treadle.gpu_worker.host import SessionHost
-from treadle.platform import leases, metrics
+from treadle.platform import metrics
 from treadle.platform.config import PlatformConfig
+from treadle.platform.sessions import leases
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,10 @@ from treadle.gpu_worker.engine import (
     SampleResult,
     SamplingSpec,
 )
-from treadle.platform import auto_checkpoints, optypes
-from treadle.platform.optypes import (
+from treadle.platform.checkpoints import auto_checkpoints
+from treadle.platform.checkpoints.storage import ObjectStore
+from treadle.platform.eventlog import optypes
+from treadle.platform.eventlog.optypes import (
     CreateModel,
     ForwardBackward,
     LoadWeights,
@@ -43,7 +45,6 @@ from treadle.platform.optypes import (
     SaveWeights,
     SaveWeightsForSampler,
 )
-from treadle.platform.storage import ObjectStore
 
 Registration = Callable[[sa.Connection], None]
 

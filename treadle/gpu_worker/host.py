@@ -34,27 +34,21 @@ import sqlalchemy as sa
 from treadle.gpu_worker import faults, handlers, recovery, streaming, telemetry
 from treadle.gpu_worker.batching import Key
 from treadle.gpu_worker.engine import Engine, SampleBatch, SampleRequest, SampleResult
-from treadle.platform import (
-    cancellation,
-    db,
-    events,
-    leases,
-    metering,
-    metrics,
-    notify,
-    operations,
-    progress,
-)
-from treadle.platform import sessions as sessions_core
+from treadle.platform import db, metrics
+from treadle.platform.billing import metering
+from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import (
     OperationCancelledError,
     TimeLimitExceededError,
     TreadleError,
 )
-from treadle.platform.optypes import OptimStep, Payload, Rebuild, Sample, parse_payload
-from treadle.platform.sessions import ADAPTER_KINDS, SessionRow, SessionStatus
-from treadle.platform.storage import ObjectStore
+from treadle.platform.eventlog import events, notify, progress
+from treadle.platform.eventlog.optypes import OptimStep, Payload, Rebuild, Sample, parse_payload
+from treadle.platform.operations import cancellation, operations
+from treadle.platform.sessions import leases
+from treadle.platform.sessions import sessions as sessions_core
+from treadle.platform.sessions.sessions import ADAPTER_KINDS, SessionRow, SessionStatus
 
 log = logging.getLogger(__name__)
 

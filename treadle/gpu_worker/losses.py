@@ -2,7 +2,7 @@
 
 Owns `EngineDatum`, the loss functions (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
 `dro`, `gspo`, `stable_reinforce`; their names, inputs and config ranges are
-`treadle.platform.losses`'), every check on a datum's tokens and `loss_fn_inputs`, and the
+`treadle.platform.models.losses`'), every check on a datum's tokens and `loss_fn_inputs`, and the
 padded batch forward pass that turns validated data into logprobs and losses. A loss maps the
 target-token logprobs `lp` of the current model to an elementwise loss; the total is its sum over
 tokens and datums (normalising is the client's job). Formulas and their sources:
@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treadle.platform.errors import ValidationError
-from treadle.platform.losses import (
+from treadle.platform.models.losses import (
     LOSS_SPECS,
     LossSpec,
     check_config_values,
@@ -70,7 +70,7 @@ class EngineDatum:
 @dataclass(frozen=True)
 class LossFn:
     """A loss: its specification (float inputs besides `target_tokens`, config keys with defaults
-    and ranges; owned by `treadle.platform.losses`) and
+    and ranges; owned by `treadle.platform.models.losses`) and
     `compute(lp_B_T, inputs, config) -> elementwise_loss_B_T`."""
 
     spec: LossSpec

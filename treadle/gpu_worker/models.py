@@ -21,8 +21,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from treadle.platform.catalog import BaseModelInfo, get_base_model, smollm2_gguf_path
-from treadle.platform.tokenizers import load_tokenizer, safe_name
+from treadle.platform.models.catalog import BaseModelInfo, get_base_model, smollm2_gguf_path
+from treadle.platform.models.tokenizers import load_tokenizer, safe_name
 
 __all__ = ["TINY_DEBUG_SEED", "build_tiny_debug", "load_base_model", "model_dir"]
 

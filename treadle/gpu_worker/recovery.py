@@ -21,18 +21,20 @@ import sqlalchemy as sa
 
 from treadle.gpu_worker import checkpoint_io, handlers, telemetry
 from treadle.gpu_worker.engine import Engine, Interrupt
-from treadle.platform import auto_checkpoints, events, operations
-from treadle.platform import sessions as sessions_core
+from treadle.platform.checkpoints import auto_checkpoints
+from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.errors import ConflictError, GoneError, TreadleError
-from treadle.platform.optypes import (
+from treadle.platform.eventlog import events
+from treadle.platform.eventlog.optypes import (
     OptimStep,
     Rebuild,
     RebuildMode,
     SaveWeightsForSampler,
     parse_payload,
 )
-from treadle.platform.sessions import SessionRow
-from treadle.platform.storage import ObjectStore
+from treadle.platform.operations import operations
+from treadle.platform.sessions import sessions as sessions_core
+from treadle.platform.sessions.sessions import SessionRow
 
 log = logging.getLogger(__name__)
 

@@ -19,20 +19,13 @@ from celery.signals import after_setup_task_logger, worker_ready, worker_shuttin
 from treadle.gpu_worker import gauges, heap
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
-from treadle.platform import (
-    cancellation,
-    checkpoints,
-    db,
-    leases,
-    logs,
-    notify,
-    operations,
-    recorded_samples,
-    routing,
-    storage,
-)
-from treadle.platform import sessions as sessions_core
+from treadle.platform import db, logs
+from treadle.platform.checkpoints import checkpoints, storage
 from treadle.platform.config import PlatformConfig
+from treadle.platform.eventlog import notify
+from treadle.platform.operations import cancellation, operations, recorded_samples
+from treadle.platform.sessions import leases, routing
+from treadle.platform.sessions import sessions as sessions_core
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from treadle.gpu_worker.prompt_scores import (
     validate_scoring,
 )
 from treadle.platform.errors import ValidationError
-from treadle.platform.validation import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
+from treadle.platform.models.validation import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
 
 __all__ = [
     "PromptScoring",
@@ -125,7 +125,7 @@ def validate_sampling(
             f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
             f"model's maximum context of {max_context_length}; shorten one of them"
         )
-    # The API refuses these first (the same limits, treadle/platform/validation.py); the engine
+    # The API refuses these first (the same limits, treadle/platform/models/validation.py); the engine
     # checks again because what it is given must never become a server error.
     if not (params.temperature == 0.0 or MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE):
         raise ValidationError(

@@ -1,4 +1,4 @@
-"""The worker's side of streamed samples (`treadle.platform.progress`): which requests of a
+"""The worker's side of streamed samples (`treadle.platform.eventlog.progress`): which requests of a
 running sample batch are streamed, the tokens each of their samples gained at every decoding
 step published on the request's progress channel, and the client's cancellation read once per
 step. Owns no decoding and settles nothing: the session host asks it which requests to cancel
@@ -21,8 +21,8 @@ from typing import Protocol
 import redis
 
 from treadle.gpu_worker.sampler import SampleResult
-from treadle.platform import progress
-from treadle.platform.notify import REDIS_DOWN
+from treadle.platform.eventlog import progress
+from treadle.platform.eventlog.notify import REDIS_DOWN
 
 log = logging.getLogger(__name__)
 

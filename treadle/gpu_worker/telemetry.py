@@ -12,7 +12,8 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from treadle.platform import operations, oplog
+from treadle.platform.eventlog import oplog
+from treadle.platform.operations import operations
 
 OPERATIONS = Counter(
     "treadle_operations",

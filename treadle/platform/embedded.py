@@ -4,7 +4,7 @@
 Used by `treadle up` and the tests when DATABASE_URL / REDIS_URL are not set; the rest of the
 platform sees ordinary URLs, so the code path is the same as production. Each server can be
 restarted after it died on the same data dir and the same port / socket, so every URL handed
-out stays valid (the supervisor in `treadle.platform.supervisor` does that).
+out stays valid (the supervisor in `treadle.platform.sessions.supervisor` does that).
 Imports nothing from api, gpu_worker or torch.
 """
 

@@ -1,0 +1,214 @@
+"""Tokenizer files for catalogue models, built once from the SmolLM2 GGUF and cached on disk.
+
+Owns the on-disk tokenizer cache (`<cache_dir>/tokenizers/<safe name>.v<N>/`) and the
+conversion of a GGUF's byte-level BPE vocabulary into a Hugging Face fast tokenizer
+(tokenizer.json, tokenizer_config.json, chat_template.jinja), written as plain JSON from the
+GGUF's own metadata so the files do not depend on the installed transformers version (their
+GGUF converters disagree with each other). Clients load them with
+`AutoTokenizer.from_pretrained(folder)` or through the hub-compatible routes (`api/routes_hf`).
+Must not import torch or transformers at import time (the API process serves these files
+without them); `gguf` and transformers are imported lazily, when building and loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from treadle.platform.models.catalog import get_base_model, smollm2_gguf_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = [
+    "FORMAT_VERSION",
+    "load_tokenizer",
+    "safe_name",
+    "tokenizer_dir",
+    "tokenizer_files",
+    "tokenizer_from_gguf",
+]
+
+# Part of the cache folder's name: bump it whenever the built files change, so a cache written by
+# an older Treadle is rebuilt rather than served. v2: files built from the GGUF metadata directly,
+# digits split one by one as the GGUF's "smollm" pre-tokenizer requires.
+FORMAT_VERSION = 2
+
+_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types (gguf.TokenType) that become added tokens
+_BYTE_LEVEL = {"add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+# llama.cpp's pre-tokenizers per `tokenizer.ggml.pre`: "smollm" (like StarCoder) splits every
+# digit on its own before the GPT-2 regex; "gpt2" is the GPT-2 regex alone.
+_PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
+    "gpt2": {"type": "ByteLevel", **_BYTE_LEVEL},
+    "smollm": {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", **_BYTE_LEVEL},
+        ],
+    },
+}
+
+
+def safe_name(model_name: str) -> str:
+    """A folder name for `model_name` ("HuggingFaceTB/SmolLM2" -> "HuggingFaceTB--SmolLM2")."""
+    return model_name.replace("/", "--")
+
+
+def tokenizer_dir(base_model: str, cache_dir: Path) -> Path:
+    """The cached tokenizer folder of `base_model`, building it first if needed."""
+    source = get_base_model(base_model).tokenizer_source
+    folder = Path(cache_dir) / "tokenizers" / f"{safe_name(source)}.v{FORMAT_VERSION}"
+    if not (folder / "tokenizer.json").is_file():
+        _build(folder)
+    return folder
+
+
+def tokenizer_files(base_model: str, cache_dir: Path) -> dict[str, bytes]:
+    """Every file of `base_model`'s fast tokenizer, by file name.
+
+    Raises ValidationError for an unknown base model.
+    """
+    folder = tokenizer_dir(base_model, cache_dir)
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def load_tokenizer(base_model: str, cache_dir: Path) -> PreTrainedTokenizerFast:
+    """`base_model`'s tokenizer, loaded from the cache folder (built on first use)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tokenizer_dir(base_model, cache_dir)
+    tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return tokenizer
+
+
+def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> dict[str, bytes]:
+    """The fast-tokenizer files described by a GGUF's `tokenizer.*` metadata, by file name.
+
+    `metadata` maps GGUF keys to their values (lists for arrays). Only byte-level BPE
+    vocabularies (`tokenizer.ggml.model == "gpt2"`) with a pre-tokenizer llama.cpp names
+    "gpt2" or "smollm" are understood; anything else is a ValueError saying which.
+    """
+    model = metadata["tokenizer.ggml.model"]
+    pre = metadata.get("tokenizer.ggml.pre", "gpt2")
+    if model != "gpt2" or pre not in _PRE_TOKENIZERS:
+        raise ValueError(
+            f"cannot convert a GGUF tokenizer of type {model!r} with pre-tokenizer {pre!r}; "
+            f"only 'gpt2' vocabularies with pre-tokenizer {sorted(_PRE_TOKENIZERS)} are supported"
+        )
+    tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+    types: list[int] = list(metadata["tokenizer.ggml.token_type"])
+    added = [
+        {
+            "id": i,
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": kind == _CONTROL,
+        }
+        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
+        if kind in (_CONTROL, _USER_DEFINED)
+    ]
+    tokenizer_json = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": _PRE_TOKENIZERS[pre],
+        "post_processor": {  # no BOS/EOS added: the GGUF says add_bos_token false
+            "type": "TemplateProcessing",
+            "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {},
+        },
+        "decoder": {"type": "ByteLevel", **_BYTE_LEVEL},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {token: i for i, token in enumerate(tokens)},
+            "merges": [merge.split(" ", 1) for merge in metadata["tokenizer.ggml.merges"]],
+        },
+    }
+
+    def token(key: str) -> str | None:
+        index = metadata.get(f"tokenizer.ggml.{key}_token_id")
+        return None if index is None else tokens[int(index)]
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # a class transformers 4.x also knows
+        "backend": "tokenizers",
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "unk_token": token("unknown"),
+        "pad_token": token("padding"),
+        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,  # decode(encode(text)) == text
+        "model_max_length": int(metadata.get("llama.context_length", 2048)),
+    }
+    files = {"tokenizer.json": _json_bytes(tokenizer_json, indent=None)}
+    template = metadata.get("tokenizer.chat_template")
+    if template:  # transformers < 4.43 reads the template only from the config; newer, the file
+        config["chat_template"] = template
+        files["chat_template.jinja"] = str(template).encode()
+    files["tokenizer_config.json"] = _json_bytes(
+        {k: v for k, v in config.items() if v is not None}, indent=2
+    )
+    return files
+
+
+def _gguf_metadata(path: Path) -> dict[str, Any]:
+    """The `tokenizer.*` and `llama.context_length` fields of the GGUF file at `path`."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    return {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if key.startswith("tokenizer.") or key == "llama.context_length"
+    }
+
+
+def _json_bytes(value: Any, indent: int | None) -> bytes:
+    return (json.dumps(value, indent=indent, ensure_ascii=False) + "\n").encode()
+
+
+def _build(folder: Path) -> None:
+    """Convert the GGUF tokenizer into `folder`, atomically: racing processes each build in a
+    private temporary folder and the first rename wins."""
+    files = tokenizer_from_gguf(_gguf_metadata(smollm2_gguf_path()))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        for name, content in files.items():
+            (tmp / name).write_bytes(content)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
+        _publish(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Rename `tmp` to `folder` unless another process already published it."""
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        if not (folder / "tokenizer.json").is_file():
+            raise
