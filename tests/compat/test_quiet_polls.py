@@ -2,7 +2,7 @@
 
 A long-poll that ends before the result answers 408 `{"type": "try_again"}`, which the tinker SDK
 re-polls silently; a 200 `try_again` made it log "Retrying request ... because of try_again" at
-WARNING on every poll (treadle/api/routes_futures.py). The loop runs the real SDK against a second
+WARNING on every poll (treadle/api/tinker/routes_futures.py). The loop runs the real SDK against a second
 API replica of the served platform (same database, Redis and workers) whose long-poll lasts
 0.2 s, so every operation outlasts several polls.
 """

@@ -1,7 +1,7 @@
 """Tokenizers anywhere: with `HF_ENDPOINT=<treadle>/hf` (and no internet, no cached tokenizer:
 HF_HOME is a fresh folder), the plain tinker SDK's `get_tokenizer()` on a TrainingClient and on a
 SamplingClient, and `transformers.AutoTokenizer.from_pretrained`, load the platform's tokenizer
-from the hub-compatible routes (treadle/api/routes_hf.py); hub clients get the headers and the
+from the hub-compatible routes (treadle/api/tinker/routes_hf.py); hub clients get the headers and the
 exceptions they expect; get_info names the real tokenizer repo."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tinker.proto.response_conv import deserialize_sample_response
 
-from treadle.api.wire import _Budget, _datum, encode_sample_response
+from treadle.api.tinker.wire import _Budget, _datum, encode_sample_response
 from treadle.platform.errors import ValidationError
 
 SEQUENCE = {"tokens": [5, 6], "logprobs": [-0.5, -1.5], "stop_reason": "length"}

@@ -7,7 +7,7 @@ from tinker import types
 from tinker.proto import response_conv
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from treadle.api import wire
+from treadle.api.tinker import wire
 from treadle.platform.errors import ValidationError
 
 

@@ -16,31 +16,24 @@ from flask import Flask, g, request
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from treadle.api import (
-    auth,
-    errors,
-    routes_admin,
-    routes_billing,
+from treadle.api import auth, errors, routes_docs, routes_metrics, telemetry
+from treadle.api.context import Services
+from treadle.api.openai import routes as routes_openai
+from treadle.api.tinker import routes_billing as routes_tinker_billing
+from treadle.api.tinker import (
     routes_checkpoint_sharing,
     routes_checkpoints,
-    routes_docs,
     routes_futures,
     routes_hf,
-    routes_lineage,
-    routes_metrics,
-    routes_openai,
     routes_sampling,
     routes_sessions,
-    routes_status,
-    routes_tinker_billing,
-    routes_tinker_extras,
-    routes_tinker_futures,
-    routes_tinker_sessions,
     routes_training,
-    routes_treadle,
-    telemetry,
 )
-from treadle.api.context import Services
+from treadle.api.tinker import routes_client_sessions as routes_tinker_sessions
+from treadle.api.tinker import routes_extras as routes_tinker_extras
+from treadle.api.tinker import routes_futures_extra as routes_tinker_futures
+from treadle.api.treadle import routes_admin, routes_billing, routes_lineage, routes_status
+from treadle.api.treadle import routes_extensions as routes_treadle
 from treadle.platform import db
 from treadle.platform.billing import prices, quotas
 from treadle.platform.checkpoints import storage

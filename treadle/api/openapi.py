@@ -17,15 +17,11 @@ from typing import Any
 from flask import Flask
 from pydantic import BaseModel
 
-from treadle.api import (
-    schemas,
-    schemas_admin,
-    schemas_billing,
-    schemas_lineage,
-    schemas_openai,
-    schemas_sessions,
-    schemas_tinker_extras,
-)
+from treadle.api.openai import schemas as schemas_openai
+from treadle.api.tinker import schemas
+from treadle.api.tinker import schemas_client_sessions as schemas_sessions
+from treadle.api.tinker import schemas_extras as schemas_tinker_extras
+from treadle.api.treadle import schemas_admin, schemas_billing, schemas_lineage
 
 PROTOBUF = "application/x-protobuf"
 

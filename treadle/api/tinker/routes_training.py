@@ -15,8 +15,8 @@ from flask import Blueprint, jsonify, request
 from treadle.api.admission import expect_seq, parse_training, submit
 from treadle.api.body import parse
 from treadle.api.context import base_model_of, json_body, principal, services
-from treadle.api.schemas import CreateModel, ModelRef, OptimStep
-from treadle.api.wire import decode_forward_backward
+from treadle.api.tinker.schemas import CreateModel, ModelRef, OptimStep
+from treadle.api.tinker.wire import decode_forward_backward
 from treadle.platform.billing import prices
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes

@@ -17,7 +17,7 @@ from flask import Blueprint, jsonify, request
 
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas_billing import BillQuery, SetPrices, SetQuota, UsageQuery
+from treadle.api.treadle.schemas_billing import BillQuery, SetPrices, SetQuota, UsageQuery
 from treadle.platform.billing import billing_status, prices, quotas, usage
 from treadle.platform.errors import ValidationError
 

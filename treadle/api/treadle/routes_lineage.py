@@ -14,7 +14,7 @@ from flask import Blueprint, jsonify
 
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas_lineage import OpenFork, OpenReplay
+from treadle.api.treadle.schemas_lineage import OpenFork, OpenReplay
 from treadle.platform.audit import lineage
 
 bp = Blueprint("lineage", __name__, url_prefix="/api/v1/treadle")

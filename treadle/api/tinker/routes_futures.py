@@ -18,8 +18,8 @@ from flask import Blueprint, Response, jsonify
 
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import RetrieveFuture
-from treadle.api.wire import encode_forward_backward_output, encode_sample_response
+from treadle.api.tinker.schemas import RetrieveFuture
+from treadle.api.tinker.wire import encode_forward_backward_output, encode_sample_response
 from treadle.platform import db
 from treadle.platform.eventlog.optypes import OpStatus, OpType
 from treadle.platform.operations import operations

@@ -15,7 +15,7 @@ from flask import Blueprint, jsonify
 
 from treadle.api.body import parse
 from treadle.api.context import RETRY_AFTER_SECONDS, json_body, principal, services
-from treadle.api.schemas import CreateSession, FinishSession, SessionRef
+from treadle.api.tinker.schemas import CreateSession, FinishSession, SessionRef
 from treadle.platform.models import catalog, validation
 from treadle.platform.operations import commands
 from treadle.platform.sessions import leases

@@ -14,7 +14,7 @@ from flask import Blueprint, jsonify
 from treadle.api.admission import submit
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas import CreateSamplingSession, PromptIdTable, Sample
+from treadle.api.tinker.schemas import CreateSamplingSession, PromptIdTable, Sample
 from treadle.platform.checkpoints import publishing
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes

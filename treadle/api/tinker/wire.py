@@ -19,7 +19,7 @@ import numpy as np
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
-from treadle.api import tinker_proto
+from treadle.api.tinker import proto as tinker_proto
 from treadle.platform.errors import ValidationError
 from treadle.platform.models.validation import (
     FWDBWD_MAX_CHUNK_LEN,

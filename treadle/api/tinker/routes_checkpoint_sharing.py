@@ -23,7 +23,7 @@ from flask import Blueprint, jsonify, request, send_file, url_for
 
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas_tinker_extras import CopyWeights
+from treadle.api.tinker.schemas_extras import CopyWeights
 from treadle.platform.checkpoints import checkpoint_links, copies, publishing
 from treadle.platform.errors import NotFoundError, ValidationError
 

@@ -17,13 +17,8 @@ from flask import Blueprint, Response, jsonify, request
 from treadle.api import errors as api_errors
 from treadle.api.admission import submit
 from treadle.api.context import json_body, principal, services
-from treadle.api.openai_answers import Shape
-from treadle.api.schemas_openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ParamError,
-    parse,
-)
+from treadle.api.openai.answers import Shape
+from treadle.api.openai.schemas import ChatCompletionRequest, CompletionRequest, ParamError, parse
 from treadle.platform import db
 from treadle.platform.errors import LimitError, TreadleError, UnavailableError, ValidationError
 from treadle.platform.eventlog import progress

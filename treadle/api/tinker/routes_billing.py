@@ -22,7 +22,7 @@ from flask import Blueprint, jsonify, request
 
 from treadle.api.body import parse
 from treadle.api.context import principal, services
-from treadle.api.schemas_tinker_billing import BillingUsageQuery, StorageQuery
+from treadle.api.tinker.schemas_billing import BillingUsageQuery, StorageQuery
 from treadle.platform.billing import usage_hourly
 from treadle.platform.billing.prices import MICRO
 

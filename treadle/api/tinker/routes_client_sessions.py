@@ -21,7 +21,7 @@ from flask import Blueprint, Response, jsonify, request, url_for
 
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas_sessions import (
+from treadle.api.tinker.schemas_client_sessions import (
     AccessibleOwner,
     ActiveStatus,
     AuditQuery,

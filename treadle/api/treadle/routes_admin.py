@@ -18,7 +18,7 @@ from flask import Blueprint, Response, jsonify, request
 from treadle.api import auth
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas_admin import CreateKey, CreateTenant
+from treadle.api.treadle.schemas_admin import CreateKey, CreateTenant
 from treadle.platform.tenancy import keys, tenants
 
 bp = Blueprint("admin", __name__, url_prefix="/api/v1/treadle")

@@ -21,7 +21,7 @@ from flask import Blueprint, jsonify
 
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas_tinker_extras import CancelFuture, RetrieveFutures
+from treadle.api.tinker.schemas_extras import CancelFuture, RetrieveFutures
 from treadle.platform import db
 from treadle.platform.operations import futures
 

@@ -21,7 +21,7 @@ from flask import Blueprint, jsonify
 
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.schemas_tinker_extras import AssignProject, JoinSamplingSession
+from treadle.api.tinker.schemas_extras import AssignProject, JoinSamplingSession
 from treadle.platform.errors import PermissionDeniedError, ValidationError
 from treadle.platform.operations import futures
 from treadle.platform.sessions import sessions as sessions_core

@@ -19,14 +19,14 @@ from flask import Blueprint, jsonify, request, send_file
 from treadle.api.admission import parse_training, submit
 from treadle.api.body import parse
 from treadle.api.context import int_arg, json_body, principal, services
-from treadle.api.schemas import (
+from treadle.api.tinker.schemas import (
     CheckpointTtl,
     LoadWeights,
     SaveWeights,
     SaveWeightsForSampler,
     WeightsInfo,
 )
-from treadle.api.schemas_tinker_extras import SaveWeightsExternal
+from treadle.api.tinker.schemas_extras import SaveWeightsExternal
 from treadle.platform.checkpoints import checkpoints, publishing, storage
 from treadle.platform.errors import NotFoundError, ValidationError
 from treadle.platform.eventlog import optypes
