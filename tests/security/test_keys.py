@@ -19,9 +19,9 @@ import sqlalchemy as sa
 
 from tests.conftest import Platform
 from tests.secure_app import SecureApp
-from treadle import cli
 from treadle.api.app import create_app
 from treadle.api.context import Services
+from treadle.cli import main as cli
 from treadle.platform.errors import AuthenticationError
 from treadle.platform.tenancy import keys, tenants
 

@@ -146,10 +146,10 @@ def test_starting_the_api_loads_no_model_library() -> None:
     """The rules hold for what the API's imports import in turn: the API's process (`treadle up`,
     or a WSGI server's worker) starts without torch, transformers or the tinker SDK, whose
     package imports torch (tinker's protobuf schema is loaded from its file instead:
-    treadle.api.tinker_proto). OpenAI-compatible serving loads transformers on its first
+    treadle.api.tinker.proto). OpenAI-compatible serving loads transformers on its first
     request, for the model's chat template."""
     code = (
-        "import sys, treadle.cli, treadle.api.app, treadle.api.gunicorn_conf; "
+        "import sys, treadle.cli.main, treadle.api.app, treadle.api.gunicorn_conf; "
         "print(sorted(m for m in ('torch', 'transformers', 'peft', 'tinker') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -184,4 +184,4 @@ def test_only_the_entry_points_import_the_app_factory() -> None:
         for path in sorted(ROOT.rglob("*.py"))
         if "treadle.api.app" in _imports(path)
     ]
-    assert importers == ["api/wsgi.py", "cli.py"]
+    assert importers == ["api/wsgi.py", "cli/main.py"]

@@ -21,7 +21,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from treadle import cli_audit, cli_billing, cli_lineage, cli_status
+from treadle.cli import audit as cli_audit
+from treadle.cli import billing as cli_billing
+from treadle.cli import lineage as cli_lineage
+from treadle.cli import status as cli_status
 from treadle.platform import logs
 from treadle.platform.config import PlatformConfig
 
@@ -161,7 +164,7 @@ def cmd_admin(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from treadle import cli_errors
+    from treadle.cli import errors as cli_errors
     from treadle.client.admin import AdminClient
 
     try:

@@ -83,7 +83,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from treadle import cli_errors
+    from treadle.cli import errors as cli_errors
     from treadle.client.billing import BillingClient
 
     verb = f"{args.command} {getattr(args, 'verb', '')}".strip()

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from treadle.cli_billing import render
+from treadle.cli.billing import render
 
 VERBS = ("status",)
 WORKER_COLUMNS = ("worker", "heartbeat_age", "alive", "sessions", "queued", "metrics_url")
@@ -30,7 +30,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from treadle import cli_errors
+    from treadle.cli import errors as cli_errors
     from treadle.client.admin import AdminClient
 
     try:

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from treadle.cli_billing import FORMATS, render
+from treadle.cli.billing import FORMATS, render
 
 VERBS = ("sessions", "audit")
 SESSION_COLUMNS = (
@@ -60,7 +60,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from treadle import cli_errors
+    from treadle.cli import errors as cli_errors
     from treadle.client.audit import AuditClient
 
     verb = "sessions list" if args.command == "sessions" else "audit"
