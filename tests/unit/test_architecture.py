@@ -121,6 +121,70 @@ def test_a_cycle_is_found_where_there_is_one(tmp_path: Path) -> None:
     assert import_cycles(import_graph(root)) == []
 
 
+# treadle/platform: the process's plumbing at the top, which imports no package; each package
+# may import the plumbing and the packages named here (docs/design.md, "The map").
+PLATFORM_PLUMBING = {"after_commit", "config", "db", "embedded", "errors", "logs", "metrics"}
+PLATFORM_LAYERS = {
+    "eventlog": set(),
+    "models": set(),
+    "tenancy": {"eventlog"},
+    "sessions": {"eventlog", "tenancy"},
+    "billing": {"eventlog", "tenancy", "sessions"},
+    "checkpoints": {"eventlog", "tenancy", "sessions"},
+    "operations": {"eventlog", "tenancy", "sessions", "billing"},
+    "audit": {"eventlog", "tenancy", "sessions", "billing", "operations"},
+    "serving": {"eventlog", "models", "tenancy", "sessions", "checkpoints", "operations"},
+}
+API_SURFACES = {"tinker", "treadle", "openai"}
+# The shared modules of treadle/api that reach into the surfaces: the app factory registers
+# their blueprints, the OpenAPI document describes their bodies.
+API_ASSEMBLERS = {"treadle.api.app", "treadle.api.openapi"}
+
+
+def _unit(module: str, package: str) -> str | None:
+    """The first part of `module` below `package` (its subpackage, or a top module's name)."""
+    prefix = package + "."
+    return module[len(prefix) :].split(".")[0] if module.startswith(prefix) else None
+
+
+def test_platform_is_plumbing_at_the_top_and_packages_below() -> None:
+    top = {path.stem for path in (ROOT / "platform").glob("*.py")} - {"__init__"}
+    packages = {path.parent.name for path in (ROOT / "platform").glob("*/__init__.py")}
+    assert top == PLATFORM_PLUMBING
+    assert packages == set(PLATFORM_LAYERS)
+
+
+def test_platform_packages_import_only_the_layers_below_them() -> None:
+    """Each package of treadle/platform imports the plumbing and the packages its row allows,
+    so the packages form no cycle either; the plumbing imports no package."""
+    violations = []
+    for module, imported in sorted(import_graph().items()):
+        mine = _unit(module, "treadle.platform")
+        if mine is None:
+            continue
+        allowed = PLATFORM_LAYERS.get(mine, set()) | {mine} | PLATFORM_PLUMBING
+        for name in sorted(imported):
+            theirs = _unit(name, "treadle.platform")
+            if theirs is not None and theirs not in allowed:
+                violations.append(f"{module} imports {name}")
+    assert violations == []
+
+
+def test_api_surfaces_import_no_other_surface() -> None:
+    """A surface of treadle/api imports the shared modules and the platform, never another
+    surface; of the shared modules only the assemblers import a surface."""
+    violations = []
+    for module, imported in sorted(import_graph().items()):
+        mine = _unit(module, "treadle.api")
+        if mine is None:
+            continue
+        for name in sorted(imported):
+            theirs = _unit(name, "treadle.api")
+            if theirs in API_SURFACES and theirs != mine and module not in API_ASSEMBLERS:
+                violations.append(f"{module} imports {name}")
+    assert violations == []
+
+
 def _imports(path: Path) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -184,4 +248,4 @@ def test_only_the_entry_points_import_the_app_factory() -> None:
         for path in sorted(ROOT.rglob("*.py"))
         if "treadle.api.app" in _imports(path)
     ]
-    assert importers == ["api/wsgi.py", "cli/main.py"]
+    assert importers == ["api/wsgi.py", "cli/serve.py"]

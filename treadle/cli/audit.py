@@ -5,7 +5,7 @@ routes (TREADLE_BASE_URL, TREADLE_API_KEY).
 operation (time, seq, type, actor, queue wait, execution time, tokens by class, outcome) with the
 session's lease, checkpoint, recovery and stop events between them, as JSON lines with `--json`,
 tails a live session with `--follow`, and writes every event in full as JSON lines with
-`--export FILE`. Registered by `cli.py`; imports the client only, never the server side.
+`--export FILE`. Registered by `main`; imports the client only, never the server side.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from treadle.cli import errors
 from treadle.cli.billing import FORMATS, render
 
 VERBS = ("sessions", "audit")
@@ -60,7 +61,6 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from treadle.cli import errors as cli_errors
     from treadle.client.audit import AuditClient
 
     verb = "sessions list" if args.command == "sessions" else "audit"
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             _audit(client, args)
     except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
-        return cli_errors.failed(verb, exc)
+        return errors.failed(verb, exc)
     except KeyboardInterrupt:
         return 130
     return 0

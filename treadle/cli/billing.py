@@ -1,7 +1,7 @@
 """The `treadle prices|quotas|usage|bill` verbs: HTTP clients of the billing routes
 (TREADLE_BASE_URL, TREADLE_API_KEY) that print a table, CSV or JSON (`--format`).
 
-Kept apart from `cli.py` (the entry point, which registers these parsers and dispatches here) so
+Kept apart from `main` (the entry point, which registers these parsers and dispatches here) so
 each stays small. Imports the client only, never the server side.
 """
 
@@ -13,6 +13,8 @@ import io
 import json
 from collections.abc import Sequence
 from typing import Any
+
+from treadle.cli import errors
 
 FORMATS = ("table", "csv", "json")
 VERBS = ("prices", "quotas", "usage", "bill")
@@ -83,7 +85,6 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from treadle.cli import errors as cli_errors
     from treadle.client.billing import BillingClient
 
     verb = f"{args.command} {getattr(args, 'verb', '')}".strip()
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             out = _bill(client, args)
     except (RuntimeError, ValueError, httpx.HTTPError) as exc:
-        return cli_errors.failed(verb, exc)
+        return errors.failed(verb, exc)
     print(out, end="" if out.endswith("\n") else "\n")
     return 0
 
@@ -200,7 +201,7 @@ def _bill(client: Any, args: argparse.Namespace) -> str:
 
 
 def render(fmt: str, body: Any, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
-    """`body` as JSON, or `rows` as CSV or a table of `columns` (shared with `cli_audit`)."""
+    """`body` as JSON, or `rows` as CSV or a table of `columns` (shared with `audit`)."""
     if fmt == "json":
         return json.dumps(body, indent=2)
     if fmt == "csv":

@@ -6,7 +6,7 @@ replayed, steps verified, the first divergence) and exits 0 when every step matc
 diverged. `fork` opens a new training session equal to the source right after a seq_id and
 prints its model id; `--save NAME` also saves its state, so it can be resumed from a
 `tinker://` path once this command's client session has gone.
-Kept apart from `cli.py` (the entry point registers and dispatches). Imports the client only.
+Kept apart from `main` (the entry point registers and dispatches). Imports the client only.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 Prints the workers (heartbeat age, alive or not, sessions held, queue depth, metrics address),
 live sessions per tenant, the pending operations' count and the oldest pending one, as tables;
-`--json` prints the server's answer as it is, for scripts. Registered by `cli.py`; imports the
+`--json` prints the server's answer as it is, for scripts. Registered by `main`; imports the
 client only, never the server side.
 """
 
@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Any
 
+from treadle.cli import errors
 from treadle.cli.billing import render
 
 VERBS = ("status",)
@@ -30,14 +31,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from treadle.cli import errors as cli_errors
     from treadle.client.admin import AdminClient
 
     try:
         client = AdminClient.from_env()
         body = client.status()
     except (RuntimeError, ValueError, httpx.HTTPError) as exc:
-        return cli_errors.failed("status", exc)
+        return errors.failed("status", exc)
     sys.stdout.write(json.dumps(body, indent=2) + "\n" if args.json else show(body))
     return 0
 

@@ -6,6 +6,6 @@ platform commands the API's views call (`commands`), failing operations before t
 (`cancellation`), futures beyond one result (`futures`) and the provenance checks of recorded
 samples (`recorded_samples`).
 
-May import the platform's top modules, `eventlog`, `models`, `tenancy`, `sessions` and
-`billing`. Called by `audit` (replay and fork), `serving`, the API and the workers.
+May import the platform's top modules, `eventlog`, `tenancy`, `sessions` and `billing`.
+Called by `audit` (replay and fork), `serving`, the API and the workers.
 """
