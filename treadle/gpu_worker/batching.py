@@ -5,8 +5,9 @@ adapter weights to sample with) and `DecodeBatch`, a continuous batch: jobs join
 steps (their prompts prefilled together, left-padded, with an attention mask and positions, each
 KV cache row expanded to `num_samples` rows and merged into the running cache) and leave as soon
 as they finish. Every step decodes all rows in one forward pass, each row with its own job's
-adapter (`LoraHost.use_rows` with `RowAdapters`). Every job draws from its own seeded generator in the same order as
-it would alone, so a job's tokens do not depend on its neighbours or on when it joined.
+adapter (`LoraHost.use_rows` with `RowAdapters`). Every job draws from its own seeded generator in
+the same order as it would alone, so a job's tokens do not depend on its neighbours or on when it
+joined. Every layer's cache grows (sliding-window layers too: see `_LAYER_TYPES`).
 `generate_batch` runs a fixed set of jobs to the end. One result or one error per job. Must not
 import flask, sqlalchemy, celery or treadle.api.
 """
@@ -21,8 +22,8 @@ from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 from treadle.gpu_worker.lora import LoraHost, LoraWeights, RowAdapters
 from treadle.gpu_worker.losses import MICROBATCH_LOGITS
@@ -42,8 +43,20 @@ from treadle.gpu_worker.sampler import (
     sampling_logits,
     stop_rules,
 )
+from treadle.platform.errors import ValidationError
 
 __all__ = ["DecodeBatch", "SampleJob", "SampleRequest", "generate_batch"]
+
+# The attention layer types (transformers' `layer_types`) whose cache can be a plain growing
+# `DynamicLayer`, cropped and merged column by column. A sliding-window layer's mask is built by
+# the model from its config, per layer type, over cache columns: as every row's tokens sit in
+# consecutive columns (padding only on the left), a window over columns is the window over the
+# row's own tokens, so a full cache gives exactly the tokens of the model without one. It keeps
+# all keys of a sliding layer, not only the last window's: more memory than needed (and more
+# attention work), the price of one column layout for every layer. transformers'
+# `DynamicSlidingWindowLayer` drops old columns and counts the ones it has seen, which cropping
+# and merging rows (`_Rows`) would have to keep consistent with the attention mask.
+_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
 @dataclass(frozen=True)
@@ -167,6 +180,7 @@ class DecodeBatch:
         self._decode = decode
         self._device = next(model.parameters()).device
         self._kwarg = cache_kwarg(model)
+        _check_layer_types(model.config)
         self._states: dict[Key, _Decoding] = {}
         self._owner_R: list[Key] = []  # each cache row's job
         self._rows: _Rows | None = None
@@ -271,7 +285,7 @@ class DecodeBatch:
         positions_J_L = (mask_J_L.cumsum(-1) - 1).clamp(min=0)
         keeps_J = [job.scoring.logits_to_keep(n) for job, n in zip(jobs, lengths_J, strict=True)]
         keep = 0 if 0 in keeps_J else max(keeps_J)
-        cache = DynamicCache(config=self._model.config)
+        cache = DynamicCache()  # no config: a growing DynamicLayer for every layer (see above)
         prefill_adapters = RowAdapters([job.weights for job in jobs], self._device)
         with self._host.use_rows(prefill_adapters):
             out = self._model(
@@ -388,13 +402,24 @@ def _prefill_logits(jobs: Sequence[tuple[Key, SampleJob]]) -> int:
     return len(jobs) * kept
 
 
+def _check_layer_types(config: PreTrainedConfig) -> None:
+    """ValidationError unless every attention layer of a model with `config` is one whose cache
+    can grow as a plain `DynamicLayer` (`_LAYER_TYPES`)."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    other = sorted(set(layer_types) - _LAYER_TYPES)
+    if other:
+        raise ValidationError(
+            f"this base model has {', '.join(other)} layers; batched sampling supports only "
+            f"{' and '.join(sorted(_LAYER_TYPES))} layers, so sample a base model whose layers "
+            "are all of those types"
+        )
+
+
 def _kv_layers(cache: DynamicCache) -> list[_KV]:
-    """The cache's layers, each a plain growing key/value pair (what full attention keeps);
-    rows can then be cropped and merged column by column."""
+    """The cache's layers, each a plain growing key/value pair (`_LAYER_TYPES`); rows can then
+    be cropped and merged column by column."""
     layers = list(cache.layers)
-    for layer in layers:
-        if type(layer) is not DynamicLayer:
-            raise TypeError(f"batched decoding needs full-attention layers, not {type(layer)}")
+    assert all(type(layer) is DynamicLayer for layer in layers), layers
     return cast(list[_KV], layers)
 
 

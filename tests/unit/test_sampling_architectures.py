@@ -1,0 +1,167 @@
+"""Batched decoding on every architecture Treadle admits (tests/architectures.py), sliding-window
+ones included, with prompts and continuations longer than their window: a job's tokens are the
+same alone and inside a left-padded batch that another job joins mid-decoding, and its logprobs
+(sampled and prompt) are those of one plain forward pass without a cache, with a LoRA adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from tests.architectures import ARCHITECTURES, SLIDING, build
+from treadle.gpu_worker.batching import DecodeBatch, SampleJob, generate_batch
+from treadle.gpu_worker.lora import LoraHost, LoraSpec, LoraWeights
+from treadle.gpu_worker.prompt_scores import PromptScoring
+from treadle.gpu_worker.sampler import SampleResult, SamplingSpec
+from treadle.platform.errors import ValidationError
+
+WINDOW = 16  # the tiny sliding configs' sliding_window
+NEW_TOKENS = 12
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Arch:
+    model: PreTrainedModel
+    host: LoraHost
+    lora: LoraWeights | None
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch(request: pytest.FixtureRequest) -> Arch:
+    """The tiny model of one architecture with a LoRA adapter whose B is not zero."""
+    model = build(request.param)
+    host = LoraHost(model)
+    lora = host.new_weights(LoraSpec(rank=4, alpha=8.0, train_mlp=False), CPU)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for b in lora.B.values():
+            b.copy_(torch.randn(b.shape, generator=generator) * 0.2)
+    return Arch(model, host, lora)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(1, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _job(
+    arch: Arch,
+    length: int,
+    seed: int,
+    *,
+    samples: int = 1,
+    temperature: float = 1.0,
+    max_tokens: int = NEW_TOKENS,
+    lora: bool = True,
+) -> SampleJob:
+    params = SamplingSpec(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=())
+    return SampleJob(
+        _prompt(length, seed),
+        samples,
+        params,
+        PromptScoring(logprobs=True),
+        weights=arch.lora if lora else None,
+    )
+
+
+def _decode(ids: list[int]) -> str:
+    return ""  # no stop strings in these jobs
+
+
+def _alone(arch: Arch, job: SampleJob) -> SampleResult:
+    (out,) = generate_batch(arch.model, arch.host, [job], eos_token_id=None, decode=_decode)
+    assert isinstance(out, SampleResult)
+    return out
+
+
+def _forward_logprobs(arch: Arch, tokens: Sequence[int], lora: LoraWeights | None) -> np.ndarray:
+    """log p(tokens[i] | tokens[:i]) for i >= 1, from one forward pass without a cache."""
+    with torch.no_grad(), arch.host.use(lora):
+        logits_T_V = arch.model(input_ids=torch.tensor([list(tokens)]), use_cache=False).logits[0]
+    logprobs_T_V = torch.log_softmax(logits_T_V.float(), dim=-1)
+    return logprobs_T_V[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].numpy()
+
+
+def test_job_alone_equals_inside_a_padded_batch_that_a_job_joins(arch: Arch) -> None:
+    """The target job (20 tokens, two samples) is left-padded by a longer neighbour, beside a
+    short one on the base model and one that leaves early; a fourth joins after 3 steps."""
+    first = [
+        _job(arch, 20, 1, samples=2),
+        _job(arch, 7, 2, temperature=0.0, lora=False),
+        _job(arch, 23, 3, temperature=0.7, max_tokens=5),
+    ]
+    joiner = _job(arch, 18, 4)
+    batch = DecodeBatch(arch.model, arch.host, eos_token_id=None, decode=_decode)
+    results = dict(batch.add(list(enumerate(first))))
+    for _ in range(3):
+        results.update(batch.step())
+    results.update(batch.add([(3, joiner)]))
+    while len(batch):
+        results.update(batch.step())
+    assert sorted(results) == [0, 1, 2, 3]
+    for key, job in enumerate([*first, joiner]):
+        alone, batched = _alone(arch, job), results[key]
+        assert isinstance(batched, SampleResult)
+        for one, other in zip(alone.sequences, batched.sequences, strict=True):
+            assert len(one.tokens) == job.params.max_tokens
+            assert one.tokens == other.tokens
+            np.testing.assert_allclose(one.logprobs, other.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+def test_logprobs_equal_one_forward_pass_without_a_cache(arch: Arch, temperature: float) -> None:
+    """Sample and prompt logprobs of a LoRA job left-padded by a longer base-model neighbour."""
+    job = _job(arch, 20, 6, samples=2, temperature=temperature)
+    neighbour = _job(arch, 26, 7, lora=False)
+    out, _ = generate_batch(
+        arch.model, arch.host, [job, neighbour], eos_token_id=None, decode=_decode
+    )
+    assert isinstance(out, SampleResult) and out.prompt_logprobs is not None
+    assert len(job.prompt) + NEW_TOKENS > WINDOW + 10  # well past the window
+    for seq in out.sequences:
+        assert len(seq.tokens) == NEW_TOKENS
+        expected = _forward_logprobs(arch, [*job.prompt, *seq.tokens], arch.lora)
+        np.testing.assert_allclose(seq.logprobs, expected[len(job.prompt) - 1 :], atol=1e-5)
+        np.testing.assert_allclose(
+            out.prompt_logprobs[1:], expected[: len(job.prompt) - 1], atol=1e-5
+        )
+
+
+def test_adapter_changes_the_logprobs(arch: Arch) -> None:
+    """Precondition of the tests above: the adapter is not the base model."""
+    tokens = _prompt(32, 8)
+    with_lora = _forward_logprobs(arch, tokens, arch.lora)
+    assert not np.allclose(with_lora, _forward_logprobs(arch, tokens, None), atol=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(SLIDING))
+def test_window_hides_the_start_of_a_long_sequence(name: str) -> None:
+    """Precondition of the tests above: 32 tokens reach past the window, so a cache that let
+    sliding layers see every earlier token would be caught."""
+    model = build(name)
+    arch = Arch(model, LoraHost(model), None)
+    tokens = _prompt(32, 8)
+    with_window = _forward_logprobs(arch, tokens, None)
+    assert model.config.sliding_window == WINDOW
+    model.config.sliding_window = 1000
+    without = _forward_logprobs(arch, tokens, None)
+    np.testing.assert_allclose(with_window[: WINDOW - 1], without[: WINDOW - 1], atol=1e-5)
+    assert not np.allclose(with_window[WINDOW:], without[WINDOW:], atol=1e-3)
+
+
+def test_sliding_names_the_windowed_architectures() -> None:
+    windowed = {n for n in ARCHITECTURES if getattr(build(n).config, "sliding_window", None)}
+    assert windowed == SLIDING
+
+
+def test_a_model_with_other_attention_layers_is_refused() -> None:
+    model = build("llama3")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValidationError, match="linear_attention"):
+        DecodeBatch(model, LoraHost(model), eos_token_id=None, decode=_decode)
