@@ -1,8 +1,9 @@
 """Adapter and merged-model folders on disk: what `Engine.export_*` writes and `import_adapter` /
 `load_snapshot` read.
 
-An adapter folder is what peft's `save_pretrained` writes for a `LlamaForCausalLM` LoRA
-(`adapter_model.safetensors`, `adapter_config.json`), plus `treadle.json` (the full `LoraSpec`,
+An adapter folder is what peft's `save_pretrained` writes for a causal LM's LoRA
+(`adapter_model.safetensors`, `adapter_config.json` whose `target_modules` are the last name
+components of the adapted linears, e.g. Phi-3's `qkv_proj` and `gate_up_proj`), plus `treadle.json` (the full `LoraSpec`,
 base model and format version) and, optionally, `optimizer.safetensors` (the exact AdamW state,
 `<tensor name>.<step|exp_avg|exp_avg_sq>`). A merged folder is a plain Hugging Face model
 (config, float32 `model.safetensors`, generation config, tokenizer files) with every LoRA delta
@@ -26,13 +27,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from treadle.gpu_worker.lora import (
-    ATTN_TARGETS,
-    MLP_TARGETS,
-    UNEMBED_TARGETS,
-    LoraSpec,
-    LoraWeights,
-)
+from treadle.gpu_worker.lora import LoraSpec, LoraWeights
+from treadle.gpu_worker.lora_targets import Category, suffix_category
 from treadle.platform.errors import ValidationError
 
 __all__ = [
@@ -131,7 +127,13 @@ def read_adapter(folder: Path, base_model: str, *, with_optimizer: bool) -> Save
             f"checkpoint was trained on base model {saved_base!r}, not {base_model!r}; load it "
             f"into a session of {saved_base!r}"
         )
-    tensors = {name: t.float().numpy() for name, t in _load_safetensors(folder / ADAPTER_WEIGHTS)}
+    # peft saves the frozen weight of a targeted embedding layer (lm_head) beside its LoRA, as
+    # `<module>.base_layer.weight`; it is the base model's, which Treadle has already.
+    tensors = {
+        name: t.float().numpy()
+        for name, t in _load_safetensors(folder / ADAPTER_WEIGHTS)
+        if not name.endswith(".base_layer.weight")
+    }
     optimizer: OptimizerState | None = None
     if with_optimizer:
         if not (folder / OPTIMIZER_STATE).is_file():
@@ -157,7 +159,8 @@ def write_merged(
     with torch.no_grad():
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         assert isinstance(head, nn.Linear) and isinstance(embed, nn.Embedding)
-        head_delta = any(m.rsplit(".", 1)[-1] in UNEMBED_TARGETS for m in weights.A)
+        head_name = next(name for name, module in model.named_modules() if module is head)
+        head_delta = head_name in weights.A
         tied = head.weight is embed.weight or getattr(model.config, "tie_word_embeddings", False)
         if head_delta and tied:
             head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
@@ -212,12 +215,22 @@ def _peft_spec(config: Mapping[str, Any]) -> tuple[LoraSpec, str | None]:
     for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
         if config.get(key):
             problems.append(f"{key} is set; per-layer settings are not supported")
+    # Which parts the suffixes name; that they cover each part whole (q_proj without k_proj, say)
+    # is checked when the tensors are loaded into an adapter built for the model.
     targets = config.get("target_modules")
-    targets = {targets} if isinstance(targets, str) else set(targets or ())
-    groups = (ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS)
-    if not targets or targets != {t for g in groups if set(g) & targets for t in g}:
+    targets = [targets] if isinstance(targets, str) else targets
+    categories: set[Category | None] = set()
+    if isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+        categories = {suffix_category(t) for t in targets}
+        if strangers := sorted(t for t in targets if suffix_category(t) is None):
+            problems.append(
+                f"target_modules names {strangers}, which are no attention, MLP or unembedding "
+                "linear Treadle knows"
+            )
+    else:
         problems.append(
-            f"target_modules {sorted(targets)} is not a union of {[list(g) for g in groups]}"
+            f"target_modules is {targets!r}; it must be a list of module-name suffixes such as "
+            "['q_proj', 'k_proj', 'v_proj', 'o_proj']"
         )
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or not isinstance(alpha, int | float):
@@ -228,9 +241,9 @@ def _peft_spec(config: Mapping[str, Any]) -> tuple[LoraSpec, str | None]:
     spec = LoraSpec(
         rank=rank,
         alpha=float(alpha),
-        train_attn=bool(set(ATTN_TARGETS) & targets),
-        train_mlp=bool(set(MLP_TARGETS) & targets),
-        train_unembed=bool(set(UNEMBED_TARGETS) & targets),
+        train_attn="attn" in categories,
+        train_mlp="mlp" in categories,
+        train_unembed="unembed" in categories,
     )
     return spec, config.get("base_model_name_or_path") or None
 

@@ -1,7 +1,8 @@
 """Many LoRA adapters on one frozen base model, one active at a time (or one per batch row).
 
 Owns `LoraSpec` (an adapter's rank, alpha, seed and targets), `LoraHost` (wraps the base model's
-target linears once), `LoraWeights` (one adapter's A/B matrices as plain tensors) and
+target linears once, as `lora_targets.resolve` finds them, and refuses a spec the model cannot
+train), `LoraWeights` (one adapter's A/B matrices as plain tensors) and
 `TrainableLora` (weights plus accumulated grads and AdamW state, movable between the accelerator
 and host memory as a unit, releasable and restorable as a unit for paging to disk, its Adam state
 readable and restorable exactly). Adapters and snapshots
@@ -25,6 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from treadle.gpu_worker import cpu_linear
+from treadle.gpu_worker.lora_targets import (
+    ATTN_SUFFIXES,
+    MLP_SUFFIXES,
+    UNEMBED_SUFFIXES,
+    LoraTargets,
+    resolve,
+)
 from treadle.platform.errors import ValidationError
 
 __all__ = [
@@ -40,9 +48,10 @@ __all__ = [
     "TrainableLora",
 ]
 
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_TARGETS = ("lm_head",)
+# Every module-name suffix of each category in the standard layouts (lora_targets owns them).
+ATTN_TARGETS = ATTN_SUFFIXES
+MLP_TARGETS = MLP_SUFFIXES
+UNEMBED_TARGETS = UNEMBED_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,8 @@ class LoraSpec:
     train_unembed: bool = True
 
     def targets(self) -> tuple[str, ...]:
-        """The module-name suffixes this adapter trains."""
+        """The standard module-name suffixes this adapter may train; which modules it really
+        trains depends on the model (`LoraHost.targets.for_spec`)."""
         return (
             (ATTN_TARGETS if self.train_attn else ())
             + (MLP_TARGETS if self.train_mlp else ())
@@ -298,26 +308,23 @@ def _runs(weights_R: list[LoraWeights | None]) -> list[tuple[LoraWeights | None,
 
 
 class LoraHost:
-    """Wraps every attention, MLP and unembedding linear of `model` in a `LoraLinear`, in place."""
+    """Wraps every attention, MLP and unembedding linear of `model` (`targets`, as
+    `lora_targets.resolve` finds them) in a `LoraLinear`, in place."""
 
     def __init__(self, model: nn.Module) -> None:
+        self.targets: LoraTargets = resolve(model)
         self.active: LoraWeights | None = None
         self.rows: RowAdapters | None = None  # when set, an adapter per row (`use_rows`)
         self.shapes: dict[str, tuple[int, int]] = {}  # module name -> (in_features, out_features)
         self.linears: dict[str, LoraLinear] = {}
-        targets = ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
-        found = [
-            (name, module)
-            for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
-        ]
-        for name, module in found:
+        for name in self.targets.linears:
+            module = model.get_submodule(name)
+            assert isinstance(module, nn.Linear), name
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             self.linears[name] = LoraLinear(module, name, self)
             setattr(parent, child, self.linears[name])
             self.shapes[name] = (module.in_features, module.out_features)
-        assert self.shapes, "no LoRA target modules found in the base model"
 
     def pack_for_sampling(self) -> bool:
         """Pack every wrapped linear's frozen weight for oneDNN (`cpu_linear`), which sampling
@@ -357,22 +364,20 @@ class LoraHost:
         a CPU generator seeded with `spec.seed` in module order, so the same seed gives the same A
         on every device; B = 0, so the adapter starts as the base model.
 
-        Raises ValidationError for rank < 1, alpha <= 0 or no part selected to train.
+        Raises ValidationError for rank < 1, alpha <= 0, no part selected to train, or a part
+        this model cannot train (`LoraTargets.for_spec`).
         """
-        rank, suffixes = spec.rank, spec.targets()
+        rank = spec.rank
         if rank < 1:
             raise ValidationError(f"LoRA rank is {rank}; it must be at least 1")
         if not spec.alpha > 0:
             raise ValidationError(f"LoRA alpha is {spec.alpha}; it must be positive")
-        if not suffixes:
-            raise ValidationError(
-                "train_attn, train_mlp and train_unembed are all false; enable at least one"
-            )
+        chosen = set(self.targets.for_spec(spec))
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
         a: dict[str, torch.Tensor] = {}
         b: dict[str, torch.Tensor] = {}
         for name, (in_features, out_features) in self.shapes.items():
-            if name.rsplit(".", 1)[-1] not in suffixes:
+            if name not in chosen:
                 continue
             bound = 1.0 / math.sqrt(in_features)
             a_r_in = torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
@@ -431,7 +436,7 @@ class TrainableLora:
 
     def optimizer_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every AdamW state tensor, named `<tensor name>.<key>`, in a fixed order (no copies)."""
-        out = []
+        out: list[tuple[str, torch.Tensor]] = []
         for name, p in self.weights.tensors():
             state = self.optimizer.state.get(p, {})
             out.extend((f"{name}.{key}", state[key]) for key in sorted(state))

@@ -1,0 +1,260 @@
+"""Which linears of a loaded causal LM a LoRA adapter trains, by category: attention, MLP and
+unembedding (`LoraSpec`'s `train_attn`, `train_mlp`, `train_unembed`).
+
+Owns the suffix tables (standard names plus per-architecture extras, like peft's
+`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`), `resolve(model) -> LoraTargets` and the
+refusals: a requested category that matches no linear, one whose blocks hold linears the tables do
+not know, and MLP training where the experts are 3-D parameters (no `nn.Linear` to wrap). A linear
+counts by where it sits (inside a decoder layer's attention block or its MLP block) and by its
+name; MoE routers are never targets. `suffix_category` needs no model, for reading peft configs.
+Must not import flask, sqlalchemy, celery, treadle.api or treadle.gpu_worker.lora (which uses it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from torch import nn
+
+from treadle.platform.errors import ValidationError
+
+__all__ = [
+    "ATTN_SUFFIXES",
+    "MLP_SUFFIXES",
+    "UNEMBED_SUFFIXES",
+    "Category",
+    "LoraTargets",
+    "TrainFlags",
+    "resolve",
+    "suffix_category",
+]
+
+Category = Literal["attn", "mlp", "unembed"]
+
+# Standard names: Llama, Qwen, Mistral, Gemma, gpt-oss; Phi-3's fused qkv_proj and gate_up_proj;
+# fc1/fc2 (Phi-2, OPT-style MLPs).
+ATTN_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+MLP_SUFFIXES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2")
+UNEMBED_SUFFIXES = ("lm_head", "embed_out")
+
+_MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's latent attention
+
+# Extra names by `config.model_type`, where an architecture departs from the standard ones.
+_EXTRA_SUFFIXES: dict[str, dict[Category, tuple[str, ...]]] = {
+    "gpt_neox": {"attn": ("query_key_value", "dense"), "mlp": ("dense_h_to_4h", "dense_4h_to_h")},
+    "falcon": {"attn": ("query_key_value", "dense"), "mlp": ("dense_h_to_4h", "dense_4h_to_h")},
+    "phi": {"attn": ("dense",)},
+    "deepseek_v2": {"attn": _MLA},
+    "deepseek_v3": {"attn": _MLA},
+}
+
+# Inside an MLP block, linears on these paths choose experts; they are never LoRA targets.
+_ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
+
+# Block names (a decoder layer's child) and class-name fragments that mark each kind of block.
+_BLOCK_NAMES: dict[Category, frozenset[str]] = {
+    "attn": frozenset({"self_attn", "attn", "attention", "self_attention"}),
+    "mlp": frozenset({"mlp", "feed_forward", "ffn", "block_sparse_moe", "moe"}),
+}
+_BLOCK_CLASS_HINTS: dict[Category, tuple[str, ...]] = {
+    "attn": ("Attention",),
+    "mlp": ("MLP", "Moe", "MoE", "FeedForward", "Experts"),
+}
+
+_FLAGS: dict[Category, tuple[str, str]] = {  # category -> (spec flag, words for messages)
+    "attn": ("train_attn", "attention"),
+    "mlp": ("train_mlp", "MLP"),
+    "unembed": ("train_unembed", "unembedding"),
+}
+
+
+class TrainFlags(Protocol):
+    """What `for_spec` reads of a `LoraSpec`."""
+
+    @property
+    def train_attn(self) -> bool: ...
+    @property
+    def train_mlp(self) -> bool: ...
+    @property
+    def train_unembed(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class LoraTargets:
+    """The linears of one model each category trains (module names, in the model's order).
+
+    `linears` is every target of any category, in module order. `unknown` pairs a category with
+    a linear inside one of its blocks whose name the tables do not know: training that category
+    is refused rather than leaving the linear untrained. (A linear of a decoder layer outside
+    both kinds of block, with a name of neither, belongs to no category and stays frozen.) `experts_3d`: the MLP experts are 3-D
+    parameters, so MLP training is refused.
+    """
+
+    architecture: str
+    attn: tuple[str, ...]
+    mlp: tuple[str, ...]
+    unembed: tuple[str, ...]
+    linears: tuple[str, ...]
+    experts_3d: bool = False
+    unknown: tuple[tuple[Category, str], ...] = ()
+
+    def for_spec(self, spec: TrainFlags) -> tuple[str, ...]:
+        """The modules an adapter with `spec`'s flags trains, in module order.
+
+        Raises ValidationError when no flag is set, when MLP training is asked of a model whose
+        experts are 3-D parameters, or when a requested category matches no linear or holds
+        linears Treadle does not recognise; the message names the flag to turn off.
+        """
+        wanted: list[Category] = [c for c in _FLAGS if getattr(spec, _FLAGS[c][0])]
+        if not wanted:
+            raise ValidationError(
+                "train_attn, train_mlp and train_unembed are all false; enable at least one"
+            )
+        if "mlp" in wanted and self.experts_3d:
+            raise ValidationError(
+                f"{self.architecture} keeps its MLP experts as 3-D parameters, which Treadle "
+                "cannot adapt with LoRA yet; create the session with train_mlp=False (attention "
+                "and unembedding are adapted)"
+            )
+        chosen: set[str] = set()
+        for category in wanted:
+            flag, words = _FLAGS[category]
+            strangers = [name for c, name in self.unknown if c == category]
+            if strangers:
+                raise ValidationError(
+                    f"{self.architecture}'s {words} blocks hold linears Treadle does not "
+                    f"recognise ({', '.join(strangers[:3])}{', ...' if len(strangers) > 3 else ''})"
+                    f"; create the session with {flag}=False, or add their names to the suffix "
+                    "table in treadle/gpu_worker/lora_targets.py"
+                )
+            found = getattr(self, category)
+            if not found:
+                raise ValidationError(
+                    f"{self.architecture} has no {words} linear Treadle can adapt with LoRA; "
+                    f"create the session with {flag}=False"
+                )
+            chosen.update(found)
+        return tuple(name for name in self.linears if name in chosen)
+
+    def suffixes(self, spec: TrainFlags) -> tuple[str, ...]:
+        """The last name components of `for_spec(spec)`, sorted: peft's `target_modules`."""
+        return tuple(sorted({name.rsplit(".", 1)[-1] for name in self.for_spec(spec)}))
+
+
+def suffix_category(suffix: str) -> Category | None:
+    """The category a module-name suffix belongs to in any architecture Treadle knows (None for
+    an unknown one). Needs no model: for reading a peft config's `target_modules`."""
+    for category in _FLAGS:
+        if suffix in _all_suffixes(category):
+            return category
+    return None
+
+
+def resolve(model: nn.Module) -> LoraTargets:
+    """The LoRA targets of `model`, a transformers causal LM as loaded (before any wrapping)."""
+    architecture = type(model).__name__
+    model_type = str(getattr(getattr(model, "config", None), "model_type", ""))
+    suffixes = {c: _suffixes(c, model_type) for c in _FLAGS}
+    layers = _decoder_layers(model)
+    head = _output_linear(model)
+    found: dict[Category, list[str]] = {"attn": [], "mlp": [], "unembed": []}
+    linears: list[str] = []
+    unknown: list[tuple[Category, str]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        suffix = name.rsplit(".", 1)[-1]
+        category: Category | None = None
+        path = _path_in_layer(name, layers)
+        if module is head or (head is None and path is None and suffix in suffixes["unembed"]):
+            category = "unembed"
+        elif path is not None:
+            block = _block(model, name, path)
+            if block == "mlp" and _ROUTER_NAMES & set(path[1:]):
+                continue
+            if block is None:  # directly in the layer or in an unnamed block: by name alone
+                category = next((c for c in ("attn", "mlp") if suffix in suffixes[c]), None)
+            elif suffix in suffixes[block]:
+                category = block
+            else:
+                unknown.append((block, name))
+        if category is not None:
+            found[category].append(name)
+            linears.append(name)
+    return LoraTargets(
+        architecture=architecture,
+        attn=tuple(found["attn"]),
+        mlp=tuple(found["mlp"]),
+        unembed=tuple(found["unembed"]),
+        linears=tuple(linears),
+        experts_3d=_has_3d_experts(model, layers),
+        unknown=tuple(unknown),
+    )
+
+
+# -- internals -----------------------------------------------------------------------------------
+
+
+def _all_suffixes(category: Category) -> tuple[str, ...]:
+    extras = (e.get(category, ()) for e in _EXTRA_SUFFIXES.values())
+    return _base_suffixes(category) + tuple(s for group in extras for s in group)
+
+
+def _base_suffixes(category: Category) -> tuple[str, ...]:
+    return {"attn": ATTN_SUFFIXES, "mlp": MLP_SUFFIXES, "unembed": UNEMBED_SUFFIXES}[category]
+
+
+def _suffixes(category: Category, model_type: str) -> frozenset[str]:
+    extra = _EXTRA_SUFFIXES.get(model_type, {}).get(category, ())
+    return frozenset(_base_suffixes(category) + extra)
+
+
+def _decoder_layers(model: nn.Module) -> str | None:
+    """The name of the decoder stack: the `nn.ModuleList` holding the most parameters."""
+    best, best_size = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = name, size
+    return best
+
+
+def _path_in_layer(name: str, layers: str | None) -> list[str] | None:
+    """`name`'s components below its decoder layer (`[..., leaf]`), None if in no layer."""
+    if layers is None or not name.startswith(layers + "."):
+        return None
+    parts = name[len(layers) + 1 :].split(".")
+    return parts[1:] if len(parts) > 1 and parts[0].isdigit() else None
+
+
+def _block(model: nn.Module, name: str, path: list[str]) -> Category | None:
+    """Whether the linear `name` sits in an attention or an MLP block of its layer: the first
+    module on its path (below the layer) whose name or class marks one."""
+    prefix = name[: len(name) - len(".".join(path))].rstrip(".")
+    for i, part in enumerate(path[:-1]):
+        module = model.get_submodule(".".join([prefix, *path[: i + 1]]))
+        cls = type(module).__name__
+        for category in ("attn", "mlp"):
+            hinted = any(h in cls for h in _BLOCK_CLASS_HINTS[category])
+            if part in _BLOCK_NAMES[category] or hinted:
+                return category
+    return None
+
+
+def _output_linear(model: nn.Module) -> nn.Linear | None:
+    """The unembedding: transformers' output embeddings where they are a linear."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Linear) else None
+
+
+def _has_3d_experts(model: nn.Module, layers: str | None) -> bool:
+    """Whether a decoder layer's MLP block holds parameters of 3 or more dimensions (experts
+    stacked as [experts, in, out], as transformers 5 stores Qwen3-MoE's and gpt-oss's)."""
+    for name, parameter in model.named_parameters():
+        path = _path_in_layer(name, layers)
+        if parameter.dim() >= 3 and path is not None and _block(model, name, path) == "mlp":
+            return True
+    return False
