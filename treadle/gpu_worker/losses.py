@@ -3,15 +3,16 @@
 Owns `EngineDatum`, the loss functions (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
 `dro`, `gspo`, `stable_reinforce`; their names, inputs and config ranges are
 `treadle.platform.models.losses`'), every check on a datum's tokens and `loss_fn_inputs`, and the
-padded batch forward pass that turns validated data into logprobs and losses. A loss maps the
-target-token logprobs `lp` of the current model to an elementwise loss; the total is its sum over
-tokens and datums (normalising is the client's job). Formulas and their sources:
-docs/losses-and-sampling.md.
+padded batch forward pass that turns validated data into logprobs (in chunks of the vocabulary's
+logits: `chunked_logprobs`) and losses. A loss maps the target-token logprobs `lp` of the current
+model to an elementwise loss; the total is its sum over tokens and datums (normalising is the
+client's job). Formulas and their sources: docs/losses-and-sampling.md.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from treadle.gpu_worker.chunked_logprobs import (
+    checkpointed_layers,
+    output_head,
+    target_logprobs,
+    wants_checkpointing,
+)
 from treadle.platform.errors import ValidationError
 from treadle.platform.models.losses import (
     LOSS_SPECS,
@@ -35,6 +42,7 @@ __all__ = [
     "EngineDatum",
     "LossFn",
     "batch_loss",
+    "full_logits_vocab",
     "get_loss",
     "microbatches",
     "padded_tokens",
@@ -43,11 +51,12 @@ __all__ = [
 
 # Padded tokens per forward pass; bigger batches run as several passes whose grads add up.
 MICROBATCH_TOKENS = 16384
-# Logits per forward pass (padded tokens x vocabulary): a pass holds several float32 tensors of
-# this size at once (the logits, the unembedding LoRA's delta, log-softmax and its gradient), so
-# this, not the token count, bounds a large vocabulary's memory. 2**25 is 128 MiB a tensor, 682
-# tokens of a 49,152-token vocabulary; smaller passes were not slower on the CPU
-# (docs/benchmarks.md, "Memory of a forward_backward").
+# Logits computed at once (positions x vocabulary): one chunk of `chunked_logprobs`, or a whole
+# pass of a model whose full logits it cannot chunk. Several float32 tensors of this size live at
+# once (the logits, the unembedding LoRA's delta, log-softmax and its gradient), so this, not the
+# token count, bounds a large vocabulary's memory. 2**25 is 128 MiB a tensor, 682 tokens of a
+# 49,152-token vocabulary; smaller passes were not slower on the CPU (docs/benchmarks.md, "Memory
+# of a worker under RL"; "Memory of one long sequence" for the chunks).
 MICROBATCH_LOGITS = 2**25
 
 Tensor = torch.Tensor
@@ -290,12 +299,24 @@ def _token_array(i: int, name: str, values: object, vocab_size: int) -> np.ndarr
     return tokens
 
 
+def full_logits_vocab(model: PreTrainedModel) -> int | None:
+    """The vocabulary whose full logits a pass of `model` materialises, for `microbatches`: None
+    where `batch_loss` computes them in chunks (an output layer `chunked_logprobs` knows)."""
+    return None if output_head(model) is not None else model.config.vocab_size
+
+
 def microbatches(
-    arrays: list[dict[str, np.ndarray]], vocab_size: int
+    arrays: list[dict[str, np.ndarray]], vocab_size: int | None
 ) -> list[list[dict[str, np.ndarray]]]:
-    """Consecutive groups whose padded size (rows x longest) stays within MICROBATCH_TOKENS and
-    whose logits stay within MICROBATCH_LOGITS (a datum longer than that runs alone)."""
-    limit = max(1, min(MICROBATCH_TOKENS, MICROBATCH_LOGITS // vocab_size))
+    """Consecutive groups whose padded size (rows x longest) stays within MICROBATCH_TOKENS and,
+    for a pass that materialises the full logits of a `vocab_size` vocabulary
+    (`full_logits_vocab`), whose logits stay within MICROBATCH_LOGITS (a datum longer than that
+    runs alone). With `vocab_size` None, logits come in chunks whatever the pass's size, so only
+    the token budget applies. A datum's results do not depend on its group (up to float
+    rounding)."""
+    limit = MICROBATCH_TOKENS
+    if vocab_size is not None:
+        limit = max(1, min(MICROBATCH_TOKENS, MICROBATCH_LOGITS // vocab_size))
     groups: list[list[dict[str, np.ndarray]]] = []
     current: list[dict[str, np.ndarray]] = []
     width = 0
@@ -321,10 +342,19 @@ def batch_loss(
     arrays: list[dict[str, np.ndarray]],
     loss: LossFn,
     config: Mapping[str, float],
+    *,
+    logits_per_chunk: int | None = MICROBATCH_LOGITS,
+    checkpoint_layers: bool | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], Tensor]:
     """One right-padded forward pass of validated `arrays` with whatever weights `model` runs
     now: per datum `logprobs` and `elementwise_loss` (float32 [T_i]) and the summed loss, a
-    tensor the caller may backpropagate. Logprobs and losses are computed in float32."""
+    tensor the caller may backpropagate. Logprobs and losses are computed in float32.
+
+    The logits come at most `logits_per_chunk` at a time (None: all at once, the model's own
+    forward; see `chunked_logprobs.target_logprobs`). With `checkpoint_layers` the decoder layers
+    are recomputed in the backward instead of keeping their activations; None decides by the
+    pass's size (`wants_checkpointing`), and never while grads are off. Results are the same
+    either way, up to float rounding."""
     device = next(model.parameters()).device
     lengths = [len(a["tokens"]) for a in arrays]
     width = max(lengths)
@@ -339,11 +369,14 @@ def batch_loss(
     tokens_B_T = padded("tokens", torch.long)
     targets_B_T = padded("target_tokens", torch.long)
     inputs = {name: padded(name, torch.float32) for name in loss.spec.tensor_inputs}
-    logits_B_T_V = model(
-        input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
-    ).logits.float()
-    picked_B_T = logits_B_T_V.gather(-1, targets_B_T[..., None])[..., 0]
-    logprobs_B_T = picked_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
+    if checkpoint_layers is None:
+        checkpoint_layers = torch.is_grad_enabled() and wants_checkpointing(
+            model, len(arrays) * width
+        )
+    with checkpointed_layers(model) if checkpoint_layers else contextlib.nullcontext():
+        logprobs_B_T = target_logprobs(
+            model, tokens_B_T, mask_B_T, targets_B_T, logits_per_chunk=logits_per_chunk
+        )
     elementwise_B_T = torch.where(mask_B_T, loss.compute(logprobs_B_T, inputs, config), 0.0)
     logprobs_np = logprobs_B_T.detach().cpu().numpy()
     elementwise_np = elementwise_B_T.detach().cpu().numpy()

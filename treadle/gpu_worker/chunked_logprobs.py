@@ -1,0 +1,178 @@
+"""Target-token logprobs without a full [tokens, vocabulary] logits tensor, and checkpointed layers.
+
+Owns `target_logprobs`: the backbone's final hidden states once, then the output layer and
+log-softmax a chunk of positions at a time under a non-reentrant `torch.utils.checkpoint`, so
+the forward and the backward each hold one chunk's logits (the backward recomputes them) instead
+of float32 [T, V] (~20 GB at 32k tokens of a 151,936-token vocabulary). Only output layers whose
+forward is known (`output_head`) are chunked; any other model runs its own forward, full logits.
+Also owns `checkpointed_layers` (each decoder layer recomputed in the backward instead of keeping
+its activations) and `wants_checkpointing`, the default for when that pays. Recomputing reads the
+LoRA host's active adapter again: run the backward with the forward's adapter still active.
+Must not import flask, sqlalchemy, celery or treadle.api.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import (
+    Gemma3ForCausalLM,
+    GptOssForCausalLM,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Phi3ForCausalLM,
+    PreTrainedModel,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+)
+
+__all__ = [
+    "ACTIVATION_VALUES_PER_HIDDEN",
+    "CHECKPOINT_ABOVE_BYTES",
+    "checkpointed_layers",
+    "output_head",
+    "target_logprobs",
+    "wants_checkpointing",
+]
+
+Tensor = torch.Tensor
+Head = Callable[[Tensor], Tensor]  # final hidden states [N, H] -> logits [N, V], model dtype
+
+# CausalLMs whose forward (transformers 5.25) is `lm_head(backbone(...).last_hidden_state)` and
+# nothing more; Gemma 3 then soft-caps. Matched by exact type: a subclass may change its forward.
+# Router aux losses (Qwen3-MoE, gpt-oss) come only with output_router_logits, which the loss never
+# asked for. tests/unit/test_chunked_logprobs.py fails when a new transformers changes one.
+_PLAIN_HEADS = (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Phi3ForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+    GptOssForCausalLM,
+)
+
+# A decoder layer keeps roughly this many values per token, in units of the hidden size, for its
+# backward: ~10 hidden-sized tensors (norm inputs and outputs, q, k, v, rotated q and k, attention
+# output, residuals) plus ~4 of the MLP's (~3x hidden) intermediate size (Korthikanti et al.,
+# "Reducing Activation Recomputation in Large Transformer Models", 2022, count ~17 at 16 bits
+# without the attention scores). Checkpointed, it keeps one: its input.
+ACTIVATION_VALUES_PER_HIDDEN = 20
+# Checkpointing costs one more forward of the layers, about a third more compute per training
+# pass; pay it only where the activations it saves would pass 1 GiB. Below that they are small
+# next to any real model's weights (SmolLM2-135M in float32: 0.5 GB): SmolLM2-135M (float32)
+# checkpoints passes above ~800 tokens, an 8B model in bfloat16 above ~200, the tiny debug model
+# never.
+CHECKPOINT_ABOVE_BYTES = 2**30
+
+
+def output_head(model: PreTrainedModel) -> Head | None:
+    """What `model`'s forward does after its backbone, as a function of the final hidden states
+    (`model.lm_head` called as a module, so an adapter's delta on it applies), or None when
+    this architecture's forward is not known to be only that."""
+    lm_head = getattr(model, "lm_head", None)
+    if not isinstance(lm_head, nn.Module):
+        return None
+    if type(model) in _PLAIN_HEADS:
+        return lm_head
+    if type(model) is Gemma3ForCausalLM:
+        cap = model.config.final_logit_softcapping
+        if cap is None:
+            return lm_head
+
+        def soft_capped(hidden_N_H: Tensor) -> Tensor:
+            # The same operations in the same order as Gemma3ForCausalLM.forward.
+            logits_N_V = lm_head(hidden_N_H) / cap
+            return torch.tanh(logits_N_V) * cap
+
+        return soft_capped
+    return None
+
+
+def target_logprobs(
+    model: PreTrainedModel,
+    tokens_B_T: Tensor,
+    mask_B_T: Tensor,
+    targets_B_T: Tensor,
+    *,
+    logits_per_chunk: int | None,
+) -> Tensor:
+    """float32 log softmax(logits)[target] at every position of the right-padded batch
+    (padding's computed too, and meaningless). With `logits_per_chunk` and an output layer
+    `output_head` knows, the logits are computed for at most that many elements (positions x
+    vocabulary) at a time and recomputed in the backward; otherwise (None, or an unknown head)
+    from the model's full logits."""
+    head = output_head(model) if logits_per_chunk is not None else None
+    if head is None or logits_per_chunk is None:
+        logits_B_T_V = model(
+            input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
+        ).logits.float()
+        picked_B_T = logits_B_T_V.gather(-1, targets_B_T[..., None])[..., 0]
+        return picked_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
+    hidden_B_T_H = model.get_decoder()(
+        input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
+    ).last_hidden_state
+    # Padding's logits too, as the full forward computes them: skipping them changed the float
+    # rounding of the grads enough to break tests/unit/test_engine.py's 1e-6 comparisons.
+    hidden_N_H, targets_N = hidden_B_T_H.flatten(0, 1), targets_B_T.flatten()
+    rows = max(1, logits_per_chunk // model.config.vocab_size)
+    pieces = []
+    # `split`, not slicing: its backward concatenates the chunks' grads once, where each slice's
+    # would write a zero-filled [N, H] tensor.
+    for hidden_C_H, targets_C in zip(hidden_N_H.split(rows), targets_N.split(rows), strict=True):
+        if torch.is_grad_enabled():
+            lp_C = checkpoint(_chunk_logprobs, head, hidden_C_H, targets_C, use_reentrant=False)
+        else:
+            lp_C = _chunk_logprobs(head, hidden_C_H, targets_C)
+        pieces.append(lp_C)
+    return torch.cat(pieces).view(mask_B_T.shape)
+
+
+def _chunk_logprobs(head: Head, hidden_C_H: Tensor, targets_C: Tensor) -> Tensor:
+    logits_C_V = head(hidden_C_H).float()
+    picked_C = logits_C_V.gather(-1, targets_C[:, None])[:, 0]
+    return picked_C - torch.logsumexp(logits_C_V, dim=-1)
+
+
+def wants_checkpointing(model: PreTrainedModel, tokens: int) -> bool:
+    """Whether checkpointing the decoder layers of a training pass over `tokens` padded tokens
+    saves enough memory to be worth a third more compute (see CHECKPOINT_ABOVE_BYTES)."""
+    config = model.config.get_text_config()
+    element = next(model.parameters()).element_size()
+    kept = ACTIVATION_VALUES_PER_HIDDEN * config.hidden_size * config.num_hidden_layers * element
+    return tokens * kept > CHECKPOINT_ABOVE_BYTES
+
+
+@contextlib.contextmanager
+def checkpointed_layers(model: PreTrainedModel) -> Iterator[None]:
+    """Within the block, each decoder layer (the backbone's `layers`) runs under a non-reentrant
+    checkpoint while grads are enabled: the backward recomputes the layer from its input instead
+    of keeping its activations. Grads, frozen base weights and the adapter's included, are those
+    of the plain run. A model without a `layers` list runs as is.
+
+    Our own wrapper rather than transformers' `gradient_checkpointing_enable`, which checkpoints
+    only in training mode (the engine keeps models in eval mode) and stays on for every later
+    call, sampling's included."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    wrapped = list(layers) if isinstance(layers, nn.ModuleList) else []
+    for layer in wrapped:
+        # An instance attribute shadows the class's forward; nn.Module.__call__ looks it up.
+        layer.forward = functools.partial(_checkpointed, layer.forward)
+    try:
+        yield
+    finally:
+        for layer in wrapped:
+            del layer.forward
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
