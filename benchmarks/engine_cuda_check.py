@@ -1,11 +1,15 @@
-"""Engine check on a CUDA machine: the tiny debug model and SmolLM2 through the engine in bfloat16.
+"""Engine check on a CUDA machine: the tiny debug model, SmolLM2 and a tiny random model of every
+admitted architecture (tests/architectures.py, registered from folders written here) through the
+engine in bfloat16.
 
 Per model it trains a LoRA adapter on a few chat examples, samples from it, and prints the peak GPU
 memory (torch.cuda.max_memory_allocated), the step times, the loss curve, sampling throughput and
 the largest gap between sample logprobs and forward logprobs. Exits 1 if CUDA is missing, the loss
-does not fall, or the logprobs disagree beyond bfloat16's tolerance; 0 otherwise.
+does not fall, or the logprobs disagree beyond bfloat16's tolerance; 0 otherwise. `--device cpu`
+runs the same check in float32 on the CPU (a smoke test of the script itself).
 
     python benchmarks/engine_cuda_check.py [--cache-dir DIR] [--steps N] [--models NAME ...]
+        [--architectures NAME ... | --architectures none] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ from treadle.gpu_worker.engine import (  # noqa: E402
     LoraSpec,
     SamplingSpec,
 )
-from treadle.platform.models.catalog import SMOLLM2_NAME, TINY_DEBUG_NAME  # noqa: E402
+from treadle.platform.models import model_files  # noqa: E402
+from treadle.platform.models.catalog import (  # noqa: E402
+    SMOLLM2_NAME,
+    TINY_DEBUG_NAME,
+    BaseModelInfo,
+    get_base_model,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests import architectures, tiny_models  # noqa: E402
 
 CHATS = [
     ("What is the capital of France?", "The capital of France is Paris."),
@@ -41,6 +54,7 @@ CHATS = [
 ]
 # model -> (learning rate, largest allowed |sample logprob - forward logprob|)
 SETTINGS = {TINY_DEBUG_NAME: (1e-2, 0.05), SMOLLM2_NAME: (1e-3, 0.5)}
+ARCH_SETTINGS = (3e-3, 0.05)  # the tiny random models of each architecture
 
 
 def chat_data(engine: Engine, model: str) -> list[EngineDatum]:
@@ -65,19 +79,37 @@ def chat_data(engine: Engine, model: str) -> list[EngineDatum]:
     return data
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn):  # type: ignore[no-untyped-def]
-    torch.cuda.synchronize()
+    synchronize()
     started = time.perf_counter()
     value = fn()
-    torch.cuda.synchronize()
+    synchronize()
     return value, time.perf_counter() - started
+
+
+def architecture_models(folder: Path, names: list[str]) -> dict[str, BaseModelInfo]:
+    """Registry entries of tiny random models of `names`, written under `folder`."""
+    entries = {}
+    for arch in names:
+        name = f"tiny/{arch}"
+        path = tiny_models.model_folder(arch, folder / arch)
+        entries[name] = model_files.inspect_folder(name, path, model_files.Options())
+    return entries
 
 
 def check_model(engine: Engine, model: str, steps: int) -> list[str]:
     """Train, sample and compare on `model`; print what was measured; return the failures."""
-    learning_rate, lp_tolerance = SETTINGS[model]
-    torch.cuda.reset_peak_memory_stats()
-    (_, load_s) = timed(lambda: engine.create_adapter(model, model, LoraSpec(rank=16, alpha=32)))
+    learning_rate, lp_tolerance = SETTINGS.get(model, ARCH_SETTINGS)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    mlp = "mlp" in engine.models(model).lora_targets
+    spec = LoraSpec(rank=16, alpha=32, train_mlp=mlp)
+    (_, load_s) = timed(lambda: engine.create_adapter(model, model, spec))
     data = chat_data(engine, model)
     adam = AdamSpec(learning_rate=learning_rate)
     losses, fb_times, step_times = [], [], []
@@ -104,7 +136,7 @@ def check_model(engine: Engine, model: str, steps: int) -> list[str]:
         lp = engine.forward_backward(model, [datum], "cross_entropy", forward_only=True)
         forward_lp = lp.outputs[0]["logprobs"][len(prompt) - 1 :]
         gap = max(gap, float(np.abs(np.asarray(seq.logprobs) - forward_lp).max()))
-    peak = torch.cuda.max_memory_allocated() / 2**20
+    peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
     tokens = sum(len(d.tokens) for d in data)
 
     print(f"== {model}")
@@ -136,18 +168,30 @@ def main() -> int:
     parser.add_argument("--cache-dir", type=Path, default=None, help="model cache (default: temp)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--models", nargs="+", default=[TINY_DEBUG_NAME, SMOLLM2_NAME])
+    parser.add_argument(
+        "--architectures", nargs="+", default=list(architectures.ARCHITECTURES),
+        help="tiny random models of these architectures too ('none': no architecture)",
+    )  # fmt: skip
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("FAIL: CUDA is not available", file=sys.stderr)
         return 1
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"device: {where}, torch {torch.__version__}")
     cache_dir = args.cache_dir or Path(tempfile.mkdtemp(prefix="treadle-cuda-check-"))
-    engine = Engine(cache_dir=cache_dir, device="cuda")
-    if engine.dtype != torch.bfloat16:
+    names = [] if args.architectures == ["none"] else args.architectures
+    registered = architecture_models(cache_dir / "architectures", names)
+    engine = Engine(
+        cache_dir=cache_dir,
+        device=args.device,
+        models=lambda name: registered.get(name) or get_base_model(name),
+    )
+    if args.device == "cuda" and engine.dtype != torch.bfloat16:
         print(f"FAIL: the CUDA engine runs {engine.dtype}, not bfloat16", file=sys.stderr)
         return 1
     failures: list[str] = []
-    for model in args.models:
+    for model in [*args.models, *registered]:
         try:
             failures += check_model(engine, model, args.steps)
         except Exception:  # report and go on to the next model

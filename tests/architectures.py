@@ -43,20 +43,32 @@ _CONFIGS: dict[str, Callable[[int], PretrainedConfig]] = {
     "qwen2.5": lambda v: Qwen2Config(vocab_size=v, **_SIZES),
     "qwen3": lambda v: Qwen3Config(vocab_size=v, head_dim=8, **_SIZES),
     "qwen3-moe": lambda v: Qwen3MoeConfig(
-        vocab_size=v, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        vocab_size=v,
+        head_dim=8,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
         **_SIZES,
     ),
     "mistral": lambda v: MistralConfig(vocab_size=v, sliding_window=16, **_SIZES),
     "gemma3": lambda v: Gemma3TextConfig(
-        vocab_size=v, head_dim=8, sliding_window=16, sliding_window_pattern=2,
-        final_logit_softcapping=30.0, **_SIZES,
+        vocab_size=v,
+        head_dim=8,
+        sliding_window=16,
+        sliding_window_pattern=2,
+        final_logit_softcapping=30.0,
+        **_SIZES,
     ),
     "phi3": lambda v: Phi3Config(
         vocab_size=v, pad_token_id=0, bos_token_id=None, eos_token_id=None, **_SIZES
     ),
     "gpt-oss": lambda v: GptOssConfig(
-        vocab_size=v, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        vocab_size=v,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
         **{**_SIZES, "intermediate_size": 32},
     ),
 }

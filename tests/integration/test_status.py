@@ -205,6 +205,7 @@ def test_status_shows_pending_operations_the_oldest_and_each_workers_queue(
         "sessions": 1,
         "queued": 2,
         "metrics_url": METRICS_URL,
+        "device": None,  # the fake worker's heartbeat does not say
     }
     assert workers[FAKE_WORKER]["heartbeat_age_seconds"] < 60
     gone = workers["worker-gone"]

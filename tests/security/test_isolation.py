@@ -145,7 +145,28 @@ CASES: dict[str, Cases | str] = {
     "sessions.server_capabilities": NO_ID,
     "sessions.create_session": NO_ID,
     "sessions.telemetry": NO_ID,
-    "treadle.base_models": NO_ID,
+    # The base models are the platform's, the same for every tenant; only the operator
+    # registers and retires them.
+    "models.list_models": NO_ID,
+    "models.describe_model": NO_ID,
+    "models.register_model": lambda i: [
+        Case(
+            "POST",
+            "/api/v1/treadle/base_models",
+            {"name": "acme/m", "path": "/nonexistent"},
+            expect=403,
+            own_not_404=False,
+        )  # fmt: skip
+    ],
+    "models.retire_model": lambda i: [
+        Case(
+            "POST",
+            f"/api/v1/treadle/base_models/{BASE_MODEL}/retire",
+            {},
+            expect=403,
+            own_not_404=False,
+        )  # fmt: skip
+    ],
     "treadle.tokenizer": NO_ID,
     # Public tokenizer files of catalogue models, the same for every tenant (routes_hf).
     **dict.fromkeys(

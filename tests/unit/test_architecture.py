@@ -126,9 +126,9 @@ def test_a_cycle_is_found_where_there_is_one(tmp_path: Path) -> None:
 PLATFORM_PLUMBING = {"after_commit", "config", "db", "embedded", "errors", "logs", "metrics"}
 PLATFORM_LAYERS = {
     "eventlog": set(),
-    "models": set(),
+    "models": {"eventlog", "tenancy"},  # the registry: its table, events and operator checks
     "tenancy": {"eventlog"},
-    "sessions": {"eventlog", "tenancy"},
+    "sessions": {"eventlog", "tenancy", "models"},  # status: the models and their hosts
     "billing": {"eventlog", "tenancy", "sessions"},
     "checkpoints": {"eventlog", "tenancy", "sessions"},
     "operations": {"eventlog", "tenancy", "sessions", "billing"},

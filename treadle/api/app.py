@@ -32,7 +32,13 @@ from treadle.api.tinker import (
 from treadle.api.tinker import routes_client_sessions as routes_tinker_sessions
 from treadle.api.tinker import routes_extras as routes_tinker_extras
 from treadle.api.tinker import routes_futures_extra as routes_tinker_futures
-from treadle.api.treadle import routes_admin, routes_billing, routes_lineage, routes_status
+from treadle.api.treadle import (
+    routes_admin,
+    routes_billing,
+    routes_lineage,
+    routes_models,
+    routes_status,
+)
 from treadle.api.treadle import routes_extensions as routes_treadle
 from treadle.platform import db
 from treadle.platform.billing import prices, quotas
@@ -40,6 +46,7 @@ from treadle.platform.checkpoints import storage
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import notify
+from treadle.platform.models import registry
 from treadle.platform.sessions.routing import make_celery
 
 # /metrics: Prometheus scrapes without a key (serve the API where only operators reach it).
@@ -64,9 +71,10 @@ def create_app(config: PlatformConfig) -> Flask:
         health_check_interval=15,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 2),
     )
+    main_db = db.connect(_fail_fast(config.database_url), pool_size=20)
     svc = Services(
         config=config,
-        db=db.connect(_fail_fast(config.database_url), pool_size=20),
+        db=main_db,
         celery=make_celery(config.redis_url),
         redis=client,
         store=storage.store_from_config(config),
@@ -79,6 +87,7 @@ def create_app(config: PlatformConfig) -> Flask:
             retry=Retry(NoBackoff(), 0),
         ),
         rate_limiter=quotas.RateLimiter(client),
+        models=registry.ModelRegistry(main_db),
     )
     app.extensions["treadle"] = svc
     with svc.db.begin() as conn:  # prices of models that have none yet
@@ -95,6 +104,7 @@ def create_app(config: PlatformConfig) -> Flask:
         routes_lineage,
         routes_docs,
         routes_admin,
+        routes_models,
         routes_billing,
         routes_tinker_billing,
         routes_tinker_sessions,

@@ -21,6 +21,7 @@ from treadle.platform.checkpoints import storage
 from treadle.platform.config import PlatformConfig
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import notify
+from treadle.platform.models import registry
 from treadle.platform.operations import commands
 from treadle.platform.sessions import sessions as sessions_core
 from treadle.platform.tenancy import tenants
@@ -49,6 +50,7 @@ class Services:
     probe_db: sa.Engine
     probe_redis: Redis
     rate_limiter: quotas.RateLimiter
+    models: registry.ModelRegistry  # the base models, built-in and registered
     # (tenant id, session id) -> base model, for sessions this process has seen (`base_model_of`)
     base_models: dict[tuple[str, str], str] = field(default_factory=dict)
 

@@ -21,7 +21,7 @@ from treadle.api.openai import schemas as schemas_openai
 from treadle.api.tinker import schemas
 from treadle.api.tinker import schemas_client_sessions as schemas_sessions
 from treadle.api.tinker import schemas_extras as schemas_tinker_extras
-from treadle.api.treadle import schemas_admin, schemas_billing, schemas_lineage
+from treadle.api.treadle import schemas_admin, schemas_billing, schemas_lineage, schemas_models
 
 PROTOBUF = "application/x-protobuf"
 
@@ -121,7 +121,6 @@ ROUTES: dict[str, RouteDoc] = {
     "checkpoints.weights_info": RouteDoc("A checkpoint's base model and LoRA settings",
                                          "registry", body=schemas.WeightsInfo),
     # -- Treadle's extensions
-    "treadle.base_models": RouteDoc("The base-model catalogue", "treadle"),
     "treadle.tokenizer": RouteDoc("A base model's tokenizer files (base64)", "treadle",
                                   query=(("base_model", "string", True),)),
     "treadle.describe": RouteDoc("A session's status, LoRA settings and last applied seq",
@@ -176,6 +175,23 @@ ROUTES: dict[str, RouteDoc] = {
     "admin.get_key": RouteDoc("One key", "admin"),
     "admin.revoke_key": RouteDoc(
         "Revoke a key: refused from its next request", "admin", errors=(400, 401, 403, 404, 409),
+    ),
+    # -- the model registry (Treadle)
+    "models.list_models": RouteDoc(
+        "The base models in service, built-in then registered (include_retired=1: retired "
+        "ones too)", "models", query=(("include_retired", "boolean", False),),
+    ),
+    "models.describe_model": RouteDoc(
+        "One base model: what its files say and what the operator set", "models",
+        errors=(401, 404),
+    ),
+    "models.register_model": RouteDoc(
+        "Register a base model from a folder or a cached hub id at a pinned revision "
+        "(operator)", "models", body=schemas_models.RegisterModel, errors=(400, 401, 403, 409),
+    ),
+    "models.retire_model": RouteDoc(
+        "Retire a registered base model: no new sessions on it (operator)", "models",
+        errors=(400, 401, 403, 404),
     ),
     # -- OpenAI-compatible serving (docs/openai.md; Authorization: Bearer <key> also works)
     "openai.list_models": RouteDoc("OpenAI: the models this key may sample", "openai"),

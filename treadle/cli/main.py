@@ -1,5 +1,5 @@
 """The `treadle` command: `up` (the whole embedded platform), `worker`, `migrate`, and the
-HTTP clients' verbs `checkpoints`, `tenants`, `keys`, `prices`, `quotas`, `usage`, `bill`,
+HTTP clients' verbs `checkpoints`, `tenants`, `keys`, `models`, `prices`, `quotas`, `usage`, `bill`,
 `sessions`, `audit`, `replay`, `fork` and `status` (TREADLE_BASE_URL, TREADLE_API_KEY).
 
 Each verb group is a module of `treadle.cli` with `add_parsers`, `VERBS` and `run`; this one
@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treadle.cli import admin, audit, billing, checkpoints, lineage, serve, status
+from treadle.cli import admin, audit, billing, checkpoints, lineage, models, serve, status
 
-GROUPS = (serve, checkpoints, admin, billing, audit, lineage, status)
+GROUPS = (serve, checkpoints, admin, models, billing, audit, lineage, status)
 
 
 def main(argv: list[str] | None = None) -> int:

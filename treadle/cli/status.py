@@ -63,6 +63,17 @@ def show(body: dict[str, Any]) -> str:
         f"(alive: heartbeated within the lease TTL, {ttl:g} s)\n",
         render("table", body, WORKER_COLUMNS, rows) if rows else "  none\n",
     ]
+    models = [
+        {
+            "model": m["name"],
+            "parameters": f"{m['parameters']:,}",
+            "bytes": f"{m['size_bytes']:,}",
+            "hosts": ", ".join(m["hosts"]) or "NONE",
+        }
+        for m in body.get("models", [])
+    ]
+    parts.append(f"\nBase models: {len(models)}\n")
+    parts.append(render("table", body, ("model", "parameters", "bytes", "hosts"), models))
     live = body["live_sessions"]
     tenants = [{"tenant": t, "live_sessions": n} for t, n in live.items()]
     parts.append(f"\nLive sessions: {sum(live.values())}\n")

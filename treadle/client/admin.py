@@ -1,5 +1,6 @@
-"""Tenants and API keys from the client side: what `treadle tenants ...` and `treadle keys ...`
-call, and what an operator's or tenant admin's own scripts can use.
+"""Tenants, API keys and base models from the client side: what `treadle tenants ...`,
+`treadle keys ...` and `treadle models ...` call, and what an operator's or tenant admin's own
+scripts can use.
 
 The operator's key (TREADLE_ADMIN_KEY) creates, lists, disables and enables tenants; a tenant
 admin's key creates, lists and revokes its own tenant's keys (the operator's, any tenant's).
@@ -72,6 +73,49 @@ class AdminClient(RestClient):
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         """Revoke a key: refused from its next request on. Idempotent."""
         return self._ok(self.http.post(f"/keys/{segment(key_id)}/revoke"))["key"]  # type: ignore[no-any-return]
+
+    def register_model(
+        self,
+        name: str,
+        *,
+        path: str | None = None,
+        hub_id: str | None = None,
+        revision: str | None = None,
+        **options: Any,
+    ) -> dict[str, Any]:
+        """Register base model `name` (operator only) from a folder in the Hugging Face layout
+        (`path`, absolute, readable by the API and the workers) or from `hub_id` at a pinned
+        `revision` in the hosts' Hugging Face cache. `options`: description, dtype,
+        max_lora_rank, lora_targets (a subset of attn, mlp, unembed), max_context_length,
+        prices ({token class: USD per million}).
+
+        Returns:
+            The registry entry: what the model's files say (architecture, context length,
+            vocabulary, parameters, bytes, ...) and what the operator set.
+        Raises:
+            TreadleApiError: 400 naming what is wrong with the folder, 409 for a name in use.
+
+        Example:
+            admin.register_model("acme/llama-3.1-8b", path="/models/llama-3.1-8b")
+        """
+        body: dict[str, Any] = {"name": name, **options}
+        for key, value in (("path", path), ("hub_id", hub_id), ("revision", revision)):
+            if value is not None:
+                body[key] = value
+        return self._ok(self.http.post("/base_models", json=body))["base_model"]  # type: ignore[no-any-return]
+
+    def list_models(self, include_retired: bool = False) -> list[dict[str, Any]]:
+        """The base models in service (retired ones too if asked), built-in first."""
+        params = {"include_retired": "1"} if include_retired else {}
+        return self._ok(self.http.get("/base_models", params=params))["base_models"]  # type: ignore[no-any-return]
+
+    def get_model(self, name: str) -> dict[str, Any]:
+        """One base model's registry entry."""
+        return self._ok(self.http.get(f"/base_models/{segment(name)}"))["base_model"]  # type: ignore[no-any-return]
+
+    def retire_model(self, name: str) -> dict[str, Any]:
+        """Refuse new sessions on a registered model (operator only); idempotent."""
+        return self._ok(self.http.post(f"/base_models/{segment(name)}/retire"))["base_model"]  # type: ignore[no-any-return]
 
     def status(self) -> dict[str, Any]:
         """The platform's state now (operator only): what `treadle status` prints.

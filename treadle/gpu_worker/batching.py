@@ -35,6 +35,7 @@ from treadle.gpu_worker.prompt_scores import (
 )
 from treadle.gpu_worker.sampler import (
     ALT_SEED_OFFSET,
+    EosIds,
     SampledSequence,
     SampleResult,
     SamplingSpec,
@@ -92,7 +93,7 @@ class SampleJob:
 class _Decoding:
     """One job's progress: its generator, stop rules and what each of its rows has drawn."""
 
-    def __init__(self, job: SampleJob, device: torch.device, eos_token_id: int | None) -> None:
+    def __init__(self, job: SampleJob, device: torch.device, eos_token_id: EosIds) -> None:
         self.job = job
         n = job.num_samples
         self.seed = job.params.seed if job.params.seed is not None else secrets.randbits(63)
@@ -171,7 +172,7 @@ class DecodeBatch:
         model: PreTrainedModel,
         host: LoraHost,
         *,
-        eos_token_id: int | None,
+        eos_token_id: EosIds,
         decode: Callable[[list[int]], str],
     ) -> None:
         self._model = model
@@ -442,7 +443,7 @@ def generate_batch(
     host: LoraHost,
     jobs: Sequence[SampleJob],
     *,
-    eos_token_id: int | None,
+    eos_token_id: EosIds,
     decode: Callable[[list[int]], str],
     interrupt: Callable[[], None] | None = None,
 ) -> list[SampleResult | Exception]:

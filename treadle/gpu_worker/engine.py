@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treadle.gpu_worker import adapter_files, batching, fingerprint, sampler
 from treadle.gpu_worker.batching import SampleJob, SampleRequest
@@ -30,6 +30,7 @@ from treadle.gpu_worker.losses import (
     MICROBATCH_LOGITS,
     EngineDatum,
     batch_loss,
+    full_logits_vocab,
     get_loss,
     microbatches,
     padded_tokens,
@@ -89,7 +90,7 @@ class ForwardBackwardResult:
 class _Base:
     info: BaseModelInfo
     model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerFast
+    tokenizer: PreTrainedTokenizerBase
     host: LoraHost
     parameters: int  # multiply-adds a token costs in a forward pass, roughly (`cpu_threads`)
 
@@ -129,9 +130,18 @@ class Engine:
         max_loaded_snapshots: int | None = None,
         spill_dir: Path | None = None,
         pack_cpu_weights: bool = True,
+        activation_checkpointing: bool | None = None,
+        models: Callable[[str], BaseModelInfo] = get_base_model,
     ) -> None:
         self.cache_dir = Path(cache_dir)
+        # A base model's registry entry by name (the worker's `ModelRegistry.get`; the built-ins
+        # alone by default).
+        self.models = models
         self.pack_cpu_weights = pack_cpu_weights
+        # Recompute each decoder layer in the backward instead of keeping its activations (same
+        # grads, a third more compute); None: where a training pass is big enough to save memory
+        # (`chunked_logprobs.wants_checkpointing`).
+        self.activation_checkpointing = activation_checkpointing
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.max_resident_adapters = max_resident_adapters
@@ -148,19 +158,19 @@ class Engine:
         self._snapshots = Snapshots(
             device=self.device, max_loaded=max_loaded_snapshots, spill_dir=spill_dir
         )
-        self._tokenizers: dict[str, PreTrainedTokenizerFast] = {}
+        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
         self._lock = threading.RLock()
 
     # -- models and adapters ------------------------------------------------------------------
 
-    def tokenizer(self, base_model: str) -> PreTrainedTokenizerFast:
+    def tokenizer(self, base_model: str) -> PreTrainedTokenizerBase:
         """`base_model`'s tokenizer, without loading the model itself."""
         with self._lock:
             if base_model in self._bases:
                 return self._bases[base_model].tokenizer
             if base_model not in self._tokenizers:
-                get_base_model(base_model)  # ValidationError for unknown names
-                self._tokenizers[base_model] = load_tokenizer(base_model, self.cache_dir)
+                info = self.models(base_model)  # ValidationError for unknown names
+                self._tokenizers[base_model] = load_tokenizer(info, self.cache_dir)
             return self._tokenizers[base_model]
 
     def create_adapter(self, adapter_id: str, base_model: str, lora: LoraSpec) -> None:
@@ -295,7 +305,7 @@ class Engine:
             outputs: list[dict[str, np.ndarray]] = []
             total = 0.0
             vocab_size = base.model.config.vocab_size
-            chunks = microbatches(arrays, vocab_size)
+            chunks = microbatches(arrays, full_logits_vocab(base.model))
             tokens = sum(padded_tokens(chunk) for chunk in chunks)
             work = tokens * base.parameters * (1 if forward_only else 3)  # backward: twice more
             with (
@@ -306,7 +316,13 @@ class Engine:
                 for chunk in chunks:
                     if interrupt is not None:
                         interrupt()
-                    chunk_outputs, chunk_loss = batch_loss(base.model, chunk, loss, config)
+                    chunk_outputs, chunk_loss = batch_loss(
+                        base.model,
+                        chunk,
+                        loss,
+                        config,
+                        checkpoint_layers=self.activation_checkpointing,
+                    )
                     if not forward_only:
                         chunk_loss.backward()
                     outputs.extend(chunk_outputs)
@@ -478,8 +494,9 @@ class Engine:
         with self._lock:
             adapter = self._adapter(adapter_id)
             base_model, weights = adapter.base_model, adapter.lora.weights.frozen_copy()
-        model, _ = load_base_model(base_model, self.cache_dir, "cpu", torch.float32)
-        files = tokenizer_files(base_model, self.cache_dir)
+        info = self.models(base_model)
+        model, _ = load_base_model(info, self.cache_dir, "cpu", torch.float32)
+        files = tokenizer_files(info, self.cache_dir)
         adapter_files.write_merged(Path(folder), model, weights, files)
 
     def load_snapshot(self, snapshot_id: str, base_model: str, folder: Path) -> None:
@@ -494,8 +511,8 @@ class Engine:
     def _base(self, name: str) -> _Base:
         with self._lock:
             if name not in self._bases:
-                info = get_base_model(name)
-                model, tokenizer = load_base_model(name, self.cache_dir, self.device, self.dtype)
+                info = self.models(name)
+                model, tokenizer = load_base_model(info, self.cache_dir, self.device, self.dtype)
                 parameters = sum(p.numel() for p in model.parameters())
                 host = LoraHost(model)
                 if self.pack_cpu_weights:
@@ -548,7 +565,9 @@ class SampleBatch:
         self._decoding = batching.DecodeBatch(
             base.model,
             base.host,
-            eos_token_id=tokenizer.eos_token_id,
+            # generation_config.json's end-of-sequence ids (Llama 3 and Qwen3 list several),
+            # else the tokenizer's
+            eos_token_id=base.info.eos_token_ids or tokenizer.eos_token_id,
             decode=lambda ids: str(tokenizer.decode(ids)),
         )
 

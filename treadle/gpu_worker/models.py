@@ -1,6 +1,9 @@
-"""Base models as torch modules: the tiny debug Llama and SmolLM2 (from its GGUF, cached).
+"""Base models as torch modules: a registered Hugging Face folder, the tiny debug Llama, and
+SmolLM2 (from its GGUF, cached).
 
-Owns the model cache `<cache_dir>/models/<safe name>/` (safetensors written once from the
+A registered model loads with `AutoModelForCausalLM.from_pretrained(folder)`, offline, in the
+engine's dtype unless its entry names one (on CUDA; the CPU always runs float32). Owns the model
+cache `<cache_dir>/models/<safe name>/` (safetensors written once from the
 dequantised GGUF; later loads read it directly). Returns frozen models in eval mode; LoRA is the
 engine's business. Must not import flask, sqlalchemy, celery or treadle.api.
 """
@@ -18,7 +21,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
-    PreTrainedTokenizerFast,
+    PreTrainedTokenizerBase,
 )
 
 from treadle.platform.models.catalog import BaseModelInfo, get_base_model, smollm2_gguf_path
@@ -30,16 +33,22 @@ TINY_DEBUG_SEED = 0
 
 
 def load_base_model(
-    name: str, cache_dir: Path, device: str | torch.device, dtype: torch.dtype
-) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """The catalogue model `name` on `device` in `dtype`, frozen, with its tokenizer.
+    base: str | BaseModelInfo, cache_dir: Path, device: str | torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The base model (a registry entry, or a built-in's name) on `device` in `dtype`, frozen,
+    with its tokenizer.
 
-    Raises ValidationError for an unknown name.
+    Raises ValidationError for an unknown built-in name.
     """
-    info = get_base_model(name)
-    tokenizer = load_tokenizer(name, cache_dir)
-    if info.kind == "tiny-debug":
-        model: PreTrainedModel = build_tiny_debug(tokenizer)
+    info = base if isinstance(base, BaseModelInfo) else get_base_model(base)
+    tokenizer = load_tokenizer(info, cache_dir)
+    model: PreTrainedModel
+    if info.kind == "hf":
+        assert info.path is not None, info
+        dtype = _registered_dtype(info, device, dtype)
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype, local_files_only=True)
+    elif info.kind == "tiny-debug":
+        model = build_tiny_debug(tokenizer)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir(info, cache_dir)), dtype=dtype)
     model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers wraps .to
@@ -48,7 +57,17 @@ def load_base_model(
     return model, tokenizer
 
 
-def build_tiny_debug(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+def _registered_dtype(
+    info: BaseModelInfo, device: str | torch.device, default: torch.dtype
+) -> torch.dtype:
+    """The entry's dtype where it names one and the device is an accelerator; else `default`
+    (float32 on the CPU, whose bfloat16 kernels are slow and whose results tests compare)."""
+    if info.dtype == "auto" or torch.device(device).type == "cpu":
+        return default
+    return getattr(torch, info.dtype)  # type: ignore[no-any-return]
+
+
+def build_tiny_debug(tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights from a fixed seed, bit-identical in every process.
 
     Built in float32 on the CPU (whatever the target device) inside a forked RNG, so the global

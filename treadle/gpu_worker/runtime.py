@@ -17,12 +17,14 @@ from celery import Celery
 from celery.signals import after_setup_task_logger, worker_ready, worker_shutting_down
 
 from treadle.gpu_worker import gauges, heap
+from treadle.gpu_worker.capacity import Capacity
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
 from treadle.platform import db, logs
 from treadle.platform.checkpoints import checkpoints, storage
 from treadle.platform.config import PlatformConfig
 from treadle.platform.eventlog import notify
+from treadle.platform.models import registry
 from treadle.platform.operations import cancellation, operations, recorded_samples
 from treadle.platform.sessions import leases, routing
 from treadle.platform.sessions import sessions as sessions_core
@@ -59,6 +61,8 @@ class LeaseKeeper(threading.Thread):
         # What the heartbeat tells the platform about this process (`treadle status` shows it).
         self.info = {"pid": os.getpid(), "metrics_url": metrics_url}
         self.host = host
+        engine = host.engine
+        self.capacity = Capacity(engine.device, engine.dtype, config.worker_model_memory_bytes)
         self.app = app
         self.consuming: set[str] = set()
         self.stopped = threading.Event()
@@ -77,14 +81,19 @@ class LeaseKeeper(threading.Thread):
     def tick(self) -> None:
         me = self.host.worker_id
         with self.host.db.begin() as conn:
-            leases.heartbeat_worker(conn, me, self.info)
+            # Retired models too: the sessions already on them still need a host.
+            models = [m.info for m in registry.list_models(conn, include_retired=True)]
+            report = self.capacity.report(models)
+            leases.heartbeat_worker(conn, me, {**self.info, **report})
+            hostable = report["models"]
+            ttl = self.config.lease_ttl_seconds
             claimed = [
                 s
-                for s in leases.unleased_sessions(conn)
+                for s in leases.unleased_sessions(conn, base_models=hostable)
                 if leases.lease_session(conn, s, me, only_if_unleased=True)
             ] + [
                 s
-                for s in leases.orphaned_sessions(conn, self.config.lease_ttl_seconds)
+                for s in leases.orphaned_sessions(conn, ttl, base_models=hostable)
                 if leases.lease_session(conn, s, me, only_if_unleased=False)
             ]
             mine = leases.sessions_leased_to(conn, me)
@@ -153,6 +162,7 @@ class LeaseKeeper(threading.Thread):
 
 def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO") -> None:
     heap.keep_freed_pages()
+    database = db.connect(config.database_url, pool_size=4)
     engine = Engine(
         cache_dir=config.cache_dir,
         device=config.device,
@@ -160,9 +170,11 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         max_loaded_snapshots=config.max_loaded_snapshots or None,
         spill_dir=config.spill_dir(worker_id),
         pack_cpu_weights=config.pack_cpu_weights,
+        activation_checkpointing=config.activation_checkpointing,
+        models=registry.ModelRegistry(database).get,
     )
     host = SessionHost(
-        db=db.connect(config.database_url, pool_size=4),
+        db=database,
         redis_client=redis.Redis.from_url(config.redis_url),
         engine=engine,
         store=storage.store_from_config(config),

@@ -152,6 +152,9 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+EosIds = int | tuple[int, ...] | None  # a model's end-of-sequence id, or ids
+
+
 def _stop_tuple(
     stop: tuple[str, ...] | tuple[int, ...] | str | None,
 ) -> tuple[str, ...] | tuple[int, ...] | None:
@@ -159,11 +162,15 @@ def _stop_tuple(
 
 
 def stop_rules(
-    stop: tuple[str, ...] | tuple[int, ...] | str | None, eos_token_id: int | None
+    stop: tuple[str, ...] | tuple[int, ...] | str | None, eos_token_id: EosIds
 ) -> tuple[set[int], tuple[str, ...]]:
+    """The token ids and strings a sample stops at: `stop`'s, or else the end-of-sequence
+    id(s)."""
     stop = _stop_tuple(stop)
     if stop is None:
-        return ({eos_token_id} if eos_token_id is not None else set()), ()
+        if eos_token_id is None:
+            return set(), ()
+        return ({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)), ()
     return {s for s in stop if isinstance(s, int)}, tuple(s for s in stop if isinstance(s, str))
 
 

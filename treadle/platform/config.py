@@ -81,6 +81,12 @@ class PlatformConfig:
     # A CPU worker samples with its base model's linear weights packed for oneDNN: much faster
     # on some CPUs, for a second copy of those weights in memory (gpu_worker/cpu_linear.py).
     pack_cpu_weights: bool = True
+    # Bytes a worker may give the base models' weights (0: its device's memory, the GPU's or
+    # the host's). A registered model needing more is not hosted there (gpu_worker/capacity.py).
+    worker_model_memory_bytes: int = 0
+    # Recompute each decoder layer in the backward instead of keeping its activations: None
+    # where a training pass is big enough for it to save memory, True always, False never.
+    activation_checkpointing: bool | None = None
     s3_endpoint: str = ""
     s3_bucket: str = "treadle"
     s3_access_key: str = ""
@@ -147,6 +153,8 @@ class PlatformConfig:
                 env, "TREADLE_MAX_LOADED_SNAPSHOTS", DEFAULT_MAX_LOADED_SNAPSHOTS
             ),
             pack_cpu_weights=env.get("TREADLE_PACK_CPU_WEIGHTS", "1") != "0",
+            worker_model_memory_bytes=_whole(env, "TREADLE_WORKER_MODEL_MEMORY", 0),
+            activation_checkpointing=_auto_flag(env, "TREADLE_ACTIVATION_CHECKPOINTING"),
             s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
             s3_bucket=env.get("TREADLE_S3_BUCKET") or "treadle",
             s3_access_key=env.get("TREADLE_S3_ACCESS_KEY") or env.get("AWS_ACCESS_KEY_ID", ""),
@@ -182,6 +190,10 @@ class PlatformConfig:
             "TREADLE_MAX_LOADED_ADAPTERS": str(self.max_loaded_adapters),
             "TREADLE_MAX_LOADED_SNAPSHOTS": str(self.max_loaded_snapshots),
             "TREADLE_PACK_CPU_WEIGHTS": "1" if self.pack_cpu_weights else "0",
+            "TREADLE_WORKER_MODEL_MEMORY": str(self.worker_model_memory_bytes),
+            "TREADLE_ACTIVATION_CHECKPOINTING": {None: "auto", True: "on", False: "off"}[
+                self.activation_checkpointing
+            ],
             "TREADLE_WORKER_METRICS_PORT": str(self.worker_metrics_port),
             "TREADLE_WORKER_METRICS_ADDR": self.worker_metrics_addr,
             "TREADLE_LOG_FORMAT": self.log_format,
@@ -247,3 +259,12 @@ def _body_bytes(env: Mapping[str, str], name: str, default: int) -> int:
             f"{name} must be a whole number of bytes, at least {MIN_BODY_BYTES}, got {env.get(name)!r}"
         )
     return int(value)
+
+
+def _auto_flag(env: Mapping[str, str], name: str) -> bool | None:
+    """`auto` (or unset) -> None, `on` -> True, `off` -> False."""
+    raw = (env.get(name) or "auto").lower()
+    choices = {"auto": None, "on": True, "off": False}
+    if raw not in choices:
+        raise ValueError(f"{name} must be auto, on or off, got {env.get(name)!r}")
+    return choices[raw]

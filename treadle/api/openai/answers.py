@@ -23,6 +23,7 @@ from treadle.platform import db
 from treadle.platform.errors import TreadleError
 from treadle.platform.eventlog import progress
 from treadle.platform.eventlog.optypes import OpStatus
+from treadle.platform.models.catalog import BaseModelInfo
 from treadle.platform.operations import futures, operations
 from treadle.platform.serving import openai_serving
 from treadle.platform.tenancy.tenants import Principal
@@ -42,7 +43,7 @@ class Shape:
     top_k: int
     stop: list[str] | None
     prompt_tokens: int
-    base_model: str
+    base_model: BaseModelInfo
     cache_dir: Path
     n: int = 1  # choices: a chat stream opens each with the assistant's role
 

@@ -73,7 +73,8 @@ def completions() -> Any:
     body = parse(CompletionRequest, json_body())
     target = _target(body.model)
     cache = services().config.cache_dir
-    tokens = openai_serving.prompt_tokens(target.base_model, cache, body.prompt)
+    model = services().models.get(target.base_model)
+    tokens = openai_serving.prompt_tokens(model, cache, body.prompt)
     k = body.logprobs
     return _serve(body, target, tokens, k or 0, chat=False, want_logprobs=k is not None,
                   max_tokens=body.max_tokens or openai_serving.DEFAULT_COMPLETION_TOKENS)  # fmt: skip
@@ -87,7 +88,8 @@ def chat_completions() -> Any:
     target = _target(body.model)
     messages = [{"role": m.role if m.role != "developer" else "system", "content": m.content}
                 for m in body.messages]  # fmt: skip
-    tokens = openai_serving.chat_tokens(target.base_model, services().config.cache_dir, messages)
+    model = services().models.get(target.base_model)
+    tokens = openai_serving.chat_tokens(model, services().config.cache_dir, messages)
     max_tokens = body.max_completion_tokens or body.max_tokens
     return _serve(body, target, tokens, body.top_logprobs or 0, chat=True,
                   want_logprobs=body.logprobs,
@@ -109,7 +111,8 @@ def _serve(body: CompletionRequest | ChatCompletionRequest, target: openai_model
     stop = body.stops()
     try:
         payload = openai_serving.payload(
-            target, tokens, max_tokens=max_tokens, temperature=body.temperature,
+            target, svc.models.get(target.base_model), tokens, max_tokens=max_tokens,
+            temperature=body.temperature,
             top_p=body.top_p, n=body.n, seed=body.seed, stop=stop, top_logprobs=top_k,
         )  # fmt: skip
     except ValidationError as exc:  # the prompt and max_tokens do not fit the model's context
@@ -124,7 +127,7 @@ def _serve(body: CompletionRequest | ChatCompletionRequest, target: openai_model
         top_k,
         stop,
         len(tokens),
-        target.base_model,
+        svc.models.get(target.base_model),
         svc.config.cache_dir,
         body.n,
     )

@@ -24,7 +24,7 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 
 from treadle.api.context import services
-from treadle.platform.models import catalog, tokenizers
+from treadle.platform.models import tokenizers
 
 bp = Blueprint("hf", __name__, url_prefix="/hf")
 
@@ -138,14 +138,14 @@ def hub_error(exc: _HubError) -> Any:
 
 
 def _snapshot(repo_id: str) -> _Snapshot:
-    info = catalog.base_model_for_tokenizer_repo(repo_id)
+    info = services().models.for_tokenizer_repo(repo_id)
     if info is None:
         raise _HubError(
             "RepoNotFound",
-            f"no tokenizer repo {repo_id!r} on this Treadle; it serves "
-            f"{catalog.tokenizer_repo_ids()} (GET /api/v1/treadle/base_models lists the models)",
+            f"no tokenizer repo {repo_id!r} on this Treadle; it serves each base model's "
+            "tokenizer under the model's name (GET /api/v1/treadle/base_models lists them)",
         )
-    files = tokenizers.tokenizer_files(info.name, services().config.cache_dir)
+    files = tokenizers.tokenizer_files(info, services().config.cache_dir)
     return _Snapshot(repo_id, tuple(_File(n, c) for n, c in sorted(files.items())))
 
 

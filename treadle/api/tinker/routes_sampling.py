@@ -18,7 +18,7 @@ from treadle.api.tinker.schemas import CreateSamplingSession, PromptIdTable, Sam
 from treadle.platform.checkpoints import publishing
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
-from treadle.platform.models import catalog, validation
+from treadle.platform.models import validation
 from treadle.platform.operations import commands, operations, recorded_samples
 from treadle.platform.sessions import sessions as sessions_core
 
@@ -45,7 +45,10 @@ def create_sampling_session() -> Any:
             )
     if base_model is None:
         raise ValidationError("create_sampling_session needs base_model or model_path")
-    catalog.get_base_model(base_model)
+    if checkpoint is None:  # the bare base model: only one still in service
+        services().models.require_active(base_model)
+    else:  # a checkpoint's model, retired or not
+        services().models.get(base_model)
     sampler = sessions_core.sampler_id(body.session_id, body.sampling_session_seq_id)
 
     def with_sampler(conn: sa.Connection) -> None:
@@ -102,7 +105,7 @@ def asample() -> Any:
     max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
     with services().db.connect() as conn:
         sampler = sessions_core.get_sampler(conn, principal(), body.sampling_session_id)
-    model = catalog.get_base_model(sampler.base_model)
+    model = services().models.get(sampler.base_model)
     validation.validate_prompt(tokens, model, max_tokens)
     targets = body.target_prompt_logprobs
     validation.validate_prompt_scoring(

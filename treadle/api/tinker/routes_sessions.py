@@ -16,7 +16,7 @@ from flask import Blueprint, jsonify
 from treadle.api.body import parse
 from treadle.api.context import RETRY_AFTER_SECONDS, json_body, principal, services
 from treadle.api.tinker.schemas import CreateSession, FinishSession, SessionRef
-from treadle.platform.models import catalog, validation
+from treadle.platform.models import validation
 from treadle.platform.operations import commands
 from treadle.platform.sessions import leases
 from treadle.platform.sessions import sessions as sessions_core
@@ -95,7 +95,7 @@ def server_capabilities() -> Any:
             "trainable": True,
             "sampleable": True,
         }
-        for m in catalog.list_base_models()
+        for m in services().models.active()
     ]
     return jsonify(supported_models=models)
 

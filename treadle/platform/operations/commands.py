@@ -25,7 +25,7 @@ from celery import Celery
 from treadle.platform import metrics
 from treadle.platform.billing import quotas
 from treadle.platform.config import PlatformConfig
-from treadle.platform.errors import TreadleError, UnavailableError
+from treadle.platform.errors import TreadleError, UnavailableError, ValidationError
 from treadle.platform.eventlog import notify, oplog, schema
 from treadle.platform.eventlog.optypes import Payload
 from treadle.platform.operations import cancellation, operations
@@ -130,11 +130,11 @@ def open_session(
     `first` as its seq 0 (None for a sampling session). `with_session` runs in the creating
     transaction; `fields` are `sessions.create_session`'s (name, lora_config, ...).
 
-    Raises UnavailableError (before creating anything) while no worker is alive.
+    Raises UnavailableError (before creating anything) while no live worker can host `base_model`.
     """
     with deps.db.begin() as conn:
         sessions_core.require_running_client_session(conn, principal, client_session_id)
-        require_live_worker(conn, deps.config)
+        require_host(conn, deps.config, base_model)
         if (
             deps.config.metering
             and kind in sessions_core.ADAPTER_KINDS
@@ -154,7 +154,9 @@ def open_session(
             with_session(conn)
         # Leased in the creating transaction: a session committed unleased would go to whichever
         # worker's lease keeper saw it first, not to the least loaded one.
-        worker_id = leases.place_session(conn, session_id, deps.config.lease_ttl_seconds)
+        worker_id = leases.place_session(
+            conn, session_id, deps.config.lease_ttl_seconds, base_model
+        )
     if worker_id is not None:
         consume(deps, worker_id, session_id)
     return None if first is None else submit(deps, principal, session_id, 0, first)
@@ -165,8 +167,20 @@ def _exists(conn: sa.Connection, session_id: str) -> bool:
         schema.sessions.c.id == session_id)).first() is not None  # fmt: skip
 
 
-def require_live_worker(conn: sa.Connection, config: PlatformConfig) -> None:
-    """Refuse (503) to create a session while no worker is alive to host it."""
+def require_host(conn: sa.Connection, config: PlatformConfig, base_model: str) -> None:
+    """Refuse to create a session on `base_model` while no live worker can host it: a 503
+    while none is alive (a worker is on its way, the SDK retries), a 400 naming each live
+    worker's reason (its files, its memory) while none of them can load the model."""
+    able, reasons = leases.hosts(conn, config.lease_ttl_seconds, base_model)
+    if able:
+        return
+    if reasons:
+        why = "; ".join(f"{worker}: {reason}" for worker, reason in sorted(reasons.items()))
+        raise ValidationError(
+            f"no live worker can hold base model {base_model} ({why}); the operator starts a "
+            "worker that can (the model's files readable at its path, memory for its weights), "
+            "or choose another model"
+        )
     if not leases.live_workers(conn, config.lease_ttl_seconds):
         raise UnavailableError(
             f"no worker is alive (none heartbeated in the last {config.lease_ttl_seconds:g} s) "

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from treadle.platform.checkpoints import checkpoints, publishing
 from treadle.platform.errors import NotFoundError, ValidationError
 from treadle.platform.eventlog.schema import client_sessions, samplers, sessions
-from treadle.platform.models import catalog
+from treadle.platform.models import registry
 from treadle.platform.operations import commands
 from treadle.platform.sessions import sessions as sessions_core
 from treadle.platform.sessions.sessions import ClientSessionStatus, SessionKind
@@ -62,7 +62,7 @@ def resolve(conn: sa.Connection, principal: Principal, model: str) -> Target:
             )
         base = sessions_core.get_session(conn, None, checkpoint.session_id).base_model
         return Target(model, base, None, f"checkpoint:{checkpoint.path}", checkpoint.storage_prefix)
-    if any(info.name == model for info in catalog.list_base_models()):
+    if any(m.info.name == model for m in registry.list_models(conn)):
         return Target(model, model, None, None, None)
     try:
         session = sessions_core.get_session(conn, principal, model)
@@ -177,7 +177,7 @@ def _client_session(db: sa.Engine, principal: Principal) -> str:
 def listed(conn: sa.Connection, principal: Principal) -> list[tuple[str, str]]:
     """(model id, owner) of every model the caller may use: base models, its live training
     sessions with sampler weights, its sampler checkpoints."""
-    models = [(info.name, "treadle") for info in catalog.list_base_models()]
+    models = [(m.info.name, "treadle") for m in registry.list_models(conn)]
     live = conn.execute(
         sa.select(sessions.c.id)
         .where(

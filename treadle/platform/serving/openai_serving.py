@@ -16,7 +16,8 @@ from typing import Any
 
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
-from treadle.platform.models import catalog, tokenizers, validation
+from treadle.platform.models import tokenizers, validation
+from treadle.platform.models.catalog import BaseModelInfo
 from treadle.platform.serving.openai_models import Target
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -26,30 +27,31 @@ DEFAULT_CHAT_TOKENS = (
 
 
 @functools.lru_cache(maxsize=8)
-def tokenizer(base_model: str, cache_dir: Path) -> Any:
-    """`base_model`'s tokenizer, loaded once per process (loading takes seconds)."""
-    return tokenizers.load_tokenizer(base_model, cache_dir)
+def tokenizer(model: BaseModelInfo, cache_dir: Path) -> Any:
+    """`model`'s tokenizer, loaded once per process (loading takes seconds)."""
+    return tokenizers.load_tokenizer(model, cache_dir)
 
 
 def chat_tokens(
-    base_model: str, cache_dir: Path, messages: Sequence[Mapping[str, str]]
+    model: BaseModelInfo, cache_dir: Path, messages: Sequence[Mapping[str, str]]
 ) -> list[int]:
     """The token ids of `messages` through the model's chat template, ready for the reply."""
-    tok = tokenizer(base_model, cache_dir)
+    tok = tokenizer(model, cache_dir)
     if not tok.chat_template:
         raise ValidationError(
-            f"model {base_model} has no chat template; use /v1/completions with a prompt"
+            f"model {model.name} has no chat template; use /v1/completions with a prompt"
         )
     text = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def prompt_tokens(base_model: str, cache_dir: Path, prompt: str) -> list[int]:
-    return list(tokenizer(base_model, cache_dir).encode(prompt, add_special_tokens=False))
+def prompt_tokens(model: BaseModelInfo, cache_dir: Path, prompt: str) -> list[int]:
+    return list(tokenizer(model, cache_dir).encode(prompt, add_special_tokens=False))
 
 
 def payload(
     target: Target,
+    model: BaseModelInfo,
     tokens: list[int],
     *,
     max_tokens: int,
@@ -61,7 +63,7 @@ def payload(
     top_logprobs: int,
 ) -> optypes.Sample:
     """The Sample of one OpenAI request (validated like asample's)."""
-    validation.validate_prompt(tokens, catalog.get_base_model(target.base_model), max_tokens)
+    validation.validate_prompt(tokens, model, max_tokens)
     return optypes.Sample(
         prompt=tokens,
         snapshot_id=target.snapshot_id,

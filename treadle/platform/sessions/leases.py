@@ -10,7 +10,7 @@ Imports nothing from api, gpu_worker or torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -57,6 +57,34 @@ def heartbeat_worker(conn: sa.Connection, worker_id: str, info: Mapping[str, Any
     )
 
 
+def unable_to_host(info: Mapping[str, Any], base_model: str) -> str | None:
+    """Why a worker whose heartbeat says `info` cannot host `base_model`, or None if it can.
+    A worker reports the models it can load (`models`) and why not the others (`refused`); a
+    model it has not judged yet (registered since its last heartbeat, or a worker that reports
+    nothing) is taken to be hostable: the worker judges it within a heartbeat."""
+    refused = info.get("refused") or {}
+    return None if base_model not in refused else str(refused[base_model])
+
+
+def hosts(
+    conn: sa.Connection, ttl_seconds: float, base_model: str
+) -> tuple[list[str], dict[str, str]]:
+    """The live workers that can host `base_model`, and why each other live worker cannot."""
+    rows = conn.execute(
+        sa.select(workers.c.id, workers.c.info)
+        .where(workers.c.heartbeat_at > _seconds_ago(ttl_seconds))
+        .order_by(workers.c.id)
+    ).all()
+    able, reasons = [], {}
+    for row in rows:
+        why = unable_to_host(row.info or {}, base_model)
+        if why is None:
+            able.append(row.id)
+        else:
+            reasons[row.id] = why
+    return able, reasons
+
+
 def live_workers(conn: sa.Connection, ttl_seconds: float) -> list[str]:
     """Workers that heartbeated within `ttl_seconds`, by id."""
     return list(
@@ -68,12 +96,15 @@ def live_workers(conn: sa.Connection, ttl_seconds: float) -> list[str]:
     )
 
 
-def place_session(conn: sa.Connection, session_id: str, ttl_seconds: float) -> str | None:
-    """Lease an unleased session to the live worker with the fewest active sessions.
+def place_session(
+    conn: sa.Connection, session_id: str, ttl_seconds: float, base_model: str
+) -> str | None:
+    """Lease an unleased session to the live worker with the fewest active sessions among those
+    that can host its base model.
 
-    Returns the worker id, or None when no worker is alive (a worker claims it when it starts).
+    Returns the worker id, or None when no such worker is alive (one claims it when it starts).
     """
-    live = live_workers(conn, ttl_seconds)
+    live, _ = hosts(conn, ttl_seconds, base_model)
     if not live:
         return None
     load: dict[str, int] = dict(
@@ -120,14 +151,18 @@ def lease_session(
     return True
 
 
-def unleased_sessions(conn: sa.Connection, limit: int = 50) -> list[str]:
+def unleased_sessions(
+    conn: sa.Connection, limit: int = 50, base_models: Collection[str] | None = None
+) -> list[str]:
+    """Active sessions no worker holds (only those on `base_models`, when given)."""
+    query = sa.select(sessions.c.id).where(
+        sessions.c.worker_id.is_(None), sessions.c.status.in_(ACTIVE_STATUSES)
+    )
+    if base_models is not None:
+        query = query.where(sessions.c.base_model.in_(list(base_models)))
     return list(
         conn.execute(
-            sa.select(sessions.c.id)
-            .where(sessions.c.worker_id.is_(None), sessions.c.status.in_(ACTIVE_STATUSES))
-            .order_by(sessions.c.updated_at)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
+            query.order_by(sessions.c.updated_at).limit(limit).with_for_update(skip_locked=True)
         ).scalars()
     )
 
@@ -157,21 +192,23 @@ def worker_load(conn: sa.Connection, worker_id: str) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
-def orphaned_sessions(conn: sa.Connection, ttl_seconds: float, limit: int = 50) -> list[str]:
-    """Active sessions leased to a worker that has not heartbeated within `ttl_seconds`."""
+def orphaned_sessions(
+    conn: sa.Connection,
+    ttl_seconds: float,
+    limit: int = 50,
+    base_models: Collection[str] | None = None,
+) -> list[str]:
+    """Active sessions leased to a worker that has not heartbeated within `ttl_seconds` (only
+    those on `base_models`, when given)."""
     live = sa.select(workers.c.id).where(workers.c.heartbeat_at > _seconds_ago(ttl_seconds))
-    return list(
-        conn.execute(
-            sa.select(sessions.c.id)
-            .where(
-                sessions.c.worker_id.is_not(None),
-                sessions.c.worker_id.not_in(live),
-                sessions.c.status.in_(ACTIVE_STATUSES),
-            )
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        ).scalars()
+    query = sa.select(sessions.c.id).where(
+        sessions.c.worker_id.is_not(None),
+        sessions.c.worker_id.not_in(live),
+        sessions.c.status.in_(ACTIVE_STATUSES),
     )
+    if base_models is not None:
+        query = query.where(sessions.c.base_model.in_(list(base_models)))
+    return list(conn.execute(query.limit(limit).with_for_update(skip_locked=True)).scalars())
 
 
 def release_leases(conn: sa.Connection, worker_id: str, reason: str) -> list[str]:

@@ -1,5 +1,6 @@
 """The operator's view of the running platform (`treadle status`): the workers (heartbeat age,
-alive or not by the lease TTL, sessions held, queue depth, metrics address), live sessions per
+alive or not by the lease TTL, sessions held, queue depth, metrics address, device), the base
+models in service (parameters, bytes, which live workers can host each), live sessions per
 tenant, and the pending operations with the oldest of them.
 
 Two read-only statements (one for the workers, one for the rest), so the view costs the database
@@ -17,6 +18,8 @@ import sqlalchemy as sa
 
 from treadle.platform.eventlog.optypes import OpStatus
 from treadle.platform.eventlog.schema import operations, sessions, workers
+from treadle.platform.models import registry
+from treadle.platform.sessions.leases import unable_to_host
 from treadle.platform.sessions.sessions import ACTIVE_STATUSES
 from treadle.platform.tenancy.tenants import Principal, require_operator
 
@@ -29,6 +32,15 @@ class WorkerStatus:
     sessions: int  # active sessions leased to it
     queued: int  # pending operations of those sessions
     metrics_url: str | None  # its Prometheus endpoint, from its heartbeat, when it serves one
+    device: str | None  # where it runs its models ("cpu", "cuda:0"), from its heartbeat
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    name: str
+    parameters: int
+    size_bytes: int
+    hosts: list[str]  # the live workers that can load it (files present, memory enough)
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,7 @@ class PendingOperation:
 class PlatformStatus:
     lease_ttl_seconds: float
     workers: list[WorkerStatus]
+    models: list[ModelStatus]
     live_sessions: dict[str, int]  # tenant id -> its active sessions (tenants with none left out)
     pending_operations: int
     oldest_pending: PendingOperation | None
@@ -55,6 +68,8 @@ def read_status(
 ) -> PlatformStatus:
     """The platform's state now. Raises PermissionDeniedError (403) for anyone but the operator."""
     require_operator(principal, "the platform's status")
+    rows = conn.execute(_workers_query()).all()
+    live = [row for row in rows if float(row.age) < lease_ttl_seconds]
     return PlatformStatus(
         lease_ttl_seconds=lease_ttl_seconds,
         workers=[
@@ -65,8 +80,18 @@ def read_status(
                 sessions=row.sessions,
                 queued=row.queued,
                 metrics_url=_text_or_none((row.info or {}).get("metrics_url")),
+                device=_text_or_none((row.info or {}).get("device")),
             )
-            for row in conn.execute(_workers_query())
+            for row in rows
+        ],
+        models=[
+            ModelStatus(
+                name=m.info.name,
+                parameters=m.info.parameters,
+                size_bytes=m.info.size_bytes,
+                hosts=[r.id for r in live if unable_to_host(r.info or {}, m.info.name) is None],
+            )
+            for m in registry.list_models(conn)
         ],
         **_summary(conn),
     )

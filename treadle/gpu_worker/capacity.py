@@ -1,0 +1,89 @@
+"""Which base models this worker can host, for its heartbeat: placement and create_model read
+it (platform/sessions/leases.py `hosts`).
+
+A model is hostable when its files are here (a registered folder readable at its path; the
+SmolLM2 GGUF's package installed) and its weights, with a tenth more for the adapters,
+optimizer state and activations of its sessions, fit the worker's memory budget: the device's
+memory (the GPU's, or the host's on the CPU), or TREADLE_WORKER_MODEL_MEMORY bytes. Each model is
+checked once per process (a registry entry never changes). Must not import flask, sqlalchemy,
+celery or treadle.api.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from treadle.platform.models.catalog import BaseModelInfo, smollm2_gguf_path
+
+__all__ = ["HEADROOM", "Capacity", "device_memory"]
+
+HEADROOM = 1.1  # the weights plus a tenth for what each session adds
+
+
+def device_memory(device: torch.device) -> int:
+    """Total bytes of `device`'s memory: the GPU's, or the host's RAM on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(psutil.virtual_memory().total)
+
+
+class Capacity:
+    """The models a worker on `device`, running weights in `dtype`, can host within
+    `budget_bytes` (0: the device's memory)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, budget_bytes: int = 0) -> None:
+        self.device = device
+        self.element_size = torch.empty((), dtype=dtype).element_size()
+        self.budget_bytes = budget_bytes or device_memory(device)
+        self._checked: dict[str, str | None] = {}
+
+    def refusal(self, info: BaseModelInfo) -> str | None:
+        """Why this worker cannot host `info`, or None if it can."""
+        if info.name not in self._checked:
+            self._checked[info.name] = self._check(info)
+        return self._checked[info.name]
+
+    def report(self, models: Iterable[BaseModelInfo]) -> dict[str, Any]:
+        """The heartbeat's part: the names it can host, why not the others, its budget."""
+        hostable, refused = [], {}
+        for info in models:
+            why = self.refusal(info)
+            if why is None:
+                hostable.append(info.name)
+            else:
+                refused[info.name] = why
+        return {
+            "models": hostable,
+            "refused": refused,
+            "device": str(self.device),
+            "model_memory_bytes": self.budget_bytes,
+        }
+
+    def _check(self, info: BaseModelInfo) -> str | None:
+        if info.kind == "gguf":
+            try:
+                smollm2_gguf_path()
+            except FileNotFoundError as exc:
+                return str(exc)
+        if info.kind == "hf":
+            folder = Path(info.path or "")
+            if not os.access(folder / "config.json", os.R_OK):
+                return f"cannot read {folder}/config.json on this host"
+        needed = int(info.parameters * self.element_size * HEADROOM)
+        if needed > self.budget_bytes:
+            return (
+                f"needs {_gib(needed)} for its {info.parameters:,} parameters in "
+                f"{self.element_size}-byte weights (and a tenth more for its sessions); this "
+                f"worker has {_gib(self.budget_bytes)}"
+            )
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**24 else f"{n / 2**20:.2f} MiB"
