@@ -209,7 +209,7 @@ def test_a_sample_alone_equals_the_same_sample_among_other_architectures(
         ], arch
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3-moe"])
+@pytest.mark.parametrize("arch", architectures.ARCHITECTURES)
 def test_a_merged_export_loads_in_plain_transformers(
     platform: Platform, key: str, names: dict[str, str], arch: str, tmp_path: Path
 ) -> None:
@@ -252,8 +252,15 @@ def test_train_mlp_on_a_moe_model_is_refused_with_the_reason(
 
 
 def test_the_registry_lists_shows_and_retires(
-    platform: Platform, key: str, service: tinker.ServiceClient, names: dict[str, str]
+    platform: Platform,
+    key: str,
+    service: tinker.ServiceClient,
+    names: dict[str, str],
+    folders: dict[str, Path],
 ) -> None:
+    retired = names["llama3"] + "-retired"  # a name of its own: the other tests use llama3's
+    added = cli(platform, "models", "add", retired, "--path", str(folders["llama3"]))
+    assert added.returncode == 0, added.stderr
     listed = json.loads(cli(platform, "models", "list").stdout)
     assert set(names.values()) <= {m["name"] for m in listed}
     shown = json.loads(cli(platform, "models", "show", names["phi3"]).stdout)
@@ -267,14 +274,14 @@ def test_the_registry_lists_shows_and_retires(
     finally:
         treadle_service.close()
 
-    tc = service.create_lora_training_client(names["llama3"], rank=4).result()
-    done = cli(platform, "models", "retire", names["llama3"])
+    tc = service.create_lora_training_client(retired, rank=4).result()
+    done = cli(platform, "models", "retire", retired)
     assert done.returncode == 0 and json.loads(done.stdout)["retired_at"]
     with pytest.raises(tinker.BadRequestError, match="retired"):
-        service.create_lora_training_client(names["llama3"], rank=4).result()
+        service.create_lora_training_client(retired, rank=4).result()
     tc.forward_backward([ce_datum(PROMPT)], "cross_entropy").result()  # sessions on it go on
     listed = json.loads(cli(platform, "models", "list").stdout)
-    assert names["llama3"] not in {m["name"] for m in listed}
+    assert retired not in {m["name"] for m in listed}
     refused = cli(platform, "models", "retire", names["phi3"], key=key)  # not the operator
     assert refused.returncode == 1 and "operator" in refused.stderr
 
@@ -282,16 +289,18 @@ def test_the_registry_lists_shows_and_retires(
 def test_hub_clients_get_each_models_own_tokenizer(
     platform: Platform, key: str, names: dict[str, str], folders: dict[str, Path], tmp_path: Path
 ) -> None:
-    """`AutoTokenizer.from_pretrained(name)` through /hf equals the folder's own tokenizer on a
-    few hundred strings and on the chat template."""
+    """The plain tinker SDK's `get_tokenizer()` (which loads the model's tokenizer repo through
+    /hf) equals the folder's own tokenizer on a few hundred strings and on the chat template."""
     script = """
-import json, sys
+import json, sys, tinker
 from transformers import AutoTokenizer
 pairs, texts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 messages = [{"role": "user", "content": t} for t in texts[:5]]
+service = tinker.ServiceClient()
 bad = []
 for name, folder in pairs:
-    served, local = AutoTokenizer.from_pretrained(name), AutoTokenizer.from_pretrained(folder)
+    training = service.create_lora_training_client(name, rank=4, train_mlp=False).result()
+    served, local = training.get_tokenizer(), AutoTokenizer.from_pretrained(folder)
     for t in texts:
         if served.encode(t) != local.encode(t) or served.decode(served.encode(t)) != local.decode(local.encode(t)):
             bad.append([name, t])
@@ -300,8 +309,18 @@ for name, folder in pairs:
         bad.append([name, "chat template"])
 print(json.dumps(bad))
 """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    env.update(HF_ENDPOINT=f"{platform.base_url}/hf", HF_HOME=str(tmp_path / "hf"))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "HUGGINGFACE_", "TINKER_", "TREADLE_"))
+    }
+    env.update(
+        HF_ENDPOINT=f"{platform.base_url}/hf",
+        HF_HOME=str(tmp_path / "hf"),
+        TINKER_BASE_URL=platform.base_url,
+        TINKER_API_KEY=key,
+        TINKER_TELEMETRY="0",
+    )
     pairs = [[names[a], str(folders[a])] for a in architectures.ARCHITECTURES]
     texts = tiny_models.corpus(300, seed=9) + ["  spaces\tand\nlines ", "ünïcödé 🚀", "12345"]
     done = subprocess.run(
