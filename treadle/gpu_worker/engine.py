@@ -24,11 +24,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from treadle.gpu_worker import adapter_files, batching, fingerprint, sampler
 from treadle.gpu_worker.batching import SampleJob, SampleRequest
 from treadle.gpu_worker.cpu_threads import threads_for
+from treadle.gpu_worker.group import Group, Part
 from treadle.gpu_worker.heap import release_excess
 from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, TrainableLora
 from treadle.gpu_worker.losses import (
     MICROBATCH_LOGITS,
     EngineDatum,
+    LossFn,
     batch_loss,
     full_logits_vocab,
     get_loss,
@@ -132,11 +134,19 @@ class Engine:
         pack_cpu_weights: bool = True,
         activation_checkpointing: bool | None = None,
         models: Callable[[str], BaseModelInfo] = get_base_model,
+        group: Group | None = None,
+        microbatch_tokens: int | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         # A base model's registry entry by name (the worker's `ModelRegistry.get`; the built-ins
         # alone by default).
         self.models = models
+        # The worker group this engine is a rank of (None: a process of its own); its
+        # forward_backward computes its share of the parts and gets the others' (`group`).
+        self.group = group
+        # Padded tokens per part of a forward_backward (None: `losses.MICROBATCH_TOKENS`): one
+        # pass's size, and the grain a worker group splits a request at.
+        self.microbatch_tokens = microbatch_tokens
         self.pack_cpu_weights = pack_cpu_weights
         # Recompute each decoder layer in the backward instead of keeping its activations (same
         # grads, a third more compute); None: where a training pass is big enough to save memory
@@ -288,8 +298,11 @@ class Engine:
         interrupt: Interrupt | None = None,
     ) -> ForwardBackwardResult:
         """Per-datum target logprobs and losses; unless `forward_only`, add the gradient of the
-        summed loss to the adapter's accumulated grads. `interrupt` is called between
-        microbatches: what it raises ends the call with part of the gradient accumulated."""
+        summed loss to the adapter's accumulated grads. The request runs in parts (`microbatches`),
+        split the same way at every world size; in a worker group each rank computes its share
+        and gets the others' (`group`), and the parts' grads are added in their order, so the
+        result is the same bit for bit at every world size. `interrupt` is called between
+        parts: what it raises ends the call with no gradient added."""
         loss = get_loss(loss_fn)
         config = resolve_config(loss.spec, loss_fn_config)
         with self._lock:
@@ -302,37 +315,57 @@ class Engine:
                 max_context_length=base.info.max_context_length,
                 config=config,
             )
-            outputs: list[dict[str, np.ndarray]] = []
-            total = 0.0
             vocab_size = base.model.config.vocab_size
-            chunks = microbatches(arrays, full_logits_vocab(base.model))
-            tokens = sum(padded_tokens(chunk) for chunk in chunks)
-            work = tokens * base.parameters * (1 if forward_only else 3)  # backward: twice more
-            with (
-                threads_for(work, self.device),
-                base.host.use(adapter.lora.weights),
-                torch.set_grad_enabled(not forward_only),
-            ):
-                for chunk in chunks:
+            chunks = microbatches(
+                arrays, full_logits_vocab(base.model), max_tokens=self.microbatch_tokens
+            )
+            tokens_P = [padded_tokens(chunk) for chunk in chunks]
+            mine = self.group.assign(tokens_P) if self.group else range(len(chunks))
+            tokens = sum(tokens_P[p] for p in mine)
+            params = adapter.lora.weights.parameters()
+            parts: dict[int, Part] = {}
+            with base.host.use(adapter.lora.weights), torch.set_grad_enabled(not forward_only):
+                for p in mine:
                     if interrupt is not None:
                         interrupt()
-                    chunk_outputs, chunk_loss = batch_loss(
-                        base.model,
-                        chunk,
-                        loss,
-                        config,
-                        checkpoint_layers=self.activation_checkpointing,
-                    )
-                    if not forward_only:
-                        chunk_loss.backward()
-                    outputs.extend(chunk_outputs)
-                    total += float(chunk_loss.detach())
+                    # per part, so a part runs on the same threads wherever it runs
+                    work = tokens_P[p] * base.parameters * (1 if forward_only else 3)
+                    with threads_for(work, self.device):
+                        part = self._part(base, chunks[p], loss, config, params, forward_only)
+                    parts[p] = part
+            every = self.group.exchange(parts, len(chunks)) if self.group else list(parts.values())
+            outputs: list[dict[str, np.ndarray]] = []
+            total = 0.0
+            for part in every:  # in order: the sums one process makes, at every world size
+                outputs.extend(part.outputs)
+                total += part.loss
+                if part.grads is not None:
+                    _accumulate(params, part.grads)
             if tokens * vocab_size >= MICROBATCH_LOGITS // 4:
                 # The passes' activations went back to the C heap, which keeps their pages for
                 # the next pass up to a limit (`heap`); a small call frees too little to look.
                 release_excess()
         train_tokens = sum(len(a["tokens"]) for a in arrays)
         return ForwardBackwardResult(outputs, {"loss:sum": total}, train_tokens)
+
+    def _part(
+        self,
+        base: _Base,
+        arrays: list[dict[str, np.ndarray]],
+        loss: LossFn,
+        config: Mapping[str, float],
+        params: list[torch.Tensor],
+        forward_only: bool,
+    ) -> Part:
+        """One part of a forward_backward with the active adapter: its outputs, its summed loss
+        and (unless `forward_only`) its own gradient, not yet added to the accumulated grads."""
+        outputs, part_loss = batch_loss(
+            base.model, arrays, loss, config, checkpoint_layers=self.activation_checkpointing
+        )
+        grads: list[torch.Tensor | None] | None = None
+        if not forward_only:  # allow_unused: a parameter no path reaches gets None
+            grads = list(torch.autograd.grad(part_loss, params, allow_unused=True))
+        return Part(outputs, float(part_loss.detach()), grads)
 
     def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]:
         """Apply the grads accumulated since the last step with AdamW(`adam`), then zero them.
@@ -603,6 +636,20 @@ class SampleBatch:
     def drawn(self, key: batching.Key) -> tuple[list[list[int]], list[list[float]]]:
         """See `batching.DecodeBatch.drawn` (read between steps, by the thread that steps)."""
         return self._decoding.drawn(key)
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add one part's gradient to the parameters' accumulated grads, as autograd's backward
+    would have: the first becomes the grad, later ones are added in place."""
+    with torch.no_grad():
+        for param, grad in zip(params, grads, strict=True):
+            if grad is None:
+                continue
+            grad = grad.to(param.device)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

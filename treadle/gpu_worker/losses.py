@@ -306,15 +306,15 @@ def full_logits_vocab(model: PreTrainedModel) -> int | None:
 
 
 def microbatches(
-    arrays: list[dict[str, np.ndarray]], vocab_size: int | None
+    arrays: list[dict[str, np.ndarray]], vocab_size: int | None, max_tokens: int | None = None
 ) -> list[list[dict[str, np.ndarray]]]:
     """Consecutive groups whose padded size (rows x longest) stays within MICROBATCH_TOKENS and,
     for a pass that materialises the full logits of a `vocab_size` vocabulary
     (`full_logits_vocab`), whose logits stay within MICROBATCH_LOGITS (a datum longer than that
     runs alone). With `vocab_size` None, logits come in chunks whatever the pass's size, so only
-    the token budget applies. A datum's results do not depend on its group (up to float
-    rounding)."""
-    limit = MICROBATCH_TOKENS
+    the token budget applies (`max_tokens`, MICROBATCH_TOKENS by default). A datum's results
+    do not depend on its group (up to float rounding)."""
+    limit = MICROBATCH_TOKENS if max_tokens is None else max_tokens
     if vocab_size is not None:
         limit = max(1, min(MICROBATCH_TOKENS, MICROBATCH_LOGITS // vocab_size))
     groups: list[list[dict[str, np.ndarray]]] = []

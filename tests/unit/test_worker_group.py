@@ -1,0 +1,78 @@
+"""A worker group of two gloo ranks runs a fixed loop (cross_entropy and ppo, ten optimizer
+steps, each request split into parts across the ranks) to the same per-datum logprobs and
+losses, the same adapter and optimizer state hashes, bit for bit, as one process; a state
+exported by the group loads in one process (and one process's in the group) and continues to
+the same weights as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit import group_loop
+from tests.unit.engine_support import shared_cache_dir
+from treadle.gpu_worker.engine import Engine
+from treadle.platform.embedded import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return shared_cache_dir(tmp_path_factory)
+
+
+def one_process(cache_dir: Path, **kwargs: Any) -> dict[str, Any]:
+    engine = Engine(
+        cache_dir=cache_dir, device="cpu", microbatch_tokens=group_loop.MICROBATCH_TOKENS
+    )
+    return group_loop.run_loop(engine, **kwargs)
+
+
+def group_of_two(cache_dir: Path, out: Path, *extra: str) -> dict[str, Any]:
+    """The loop on a group of two ranks, each a process with torchrun's environment."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.unit.group_loop", str(cache_dir), str(out), *extra],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))  # fmt: skip
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-6000:]
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def test_two_ranks_equal_one_process_bit_for_bit(cache_dir: Path, tmp_path: Path) -> None:
+    alone = one_process(cache_dir)
+    grouped = group_of_two(cache_dir, tmp_path / "out.json")
+    assert len(grouped["steps"]) == group_loop.STEPS
+    for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
+        assert a["state"] == b["state"], f"step {step}"
+        assert a["logprobs"] == b["logprobs"] and a["losses"] == b["losses"], f"step {step}"
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], f"step {step}"
+    assert alone["weight_hash"] == grouped["weight_hash"]
+
+
+def test_a_state_saved_by_the_group_loads_in_one_process_and_back(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    uninterrupted = one_process(cache_dir)
+    saved_by_group = tmp_path / "by-group"
+    group_of_two(cache_dir, tmp_path / "a.json", "save", str(saved_by_group))
+    continued_alone = one_process(cache_dir, load=saved_by_group)
+    assert continued_alone["weight_hash"] == uninterrupted["weight_hash"]
+
+    saved_alone = tmp_path / "alone"
+    one_process(cache_dir, save=saved_alone)
+    continued_by_group = group_of_two(cache_dir, tmp_path / "b.json", "load", str(saved_alone))
+    assert continued_by_group["weight_hash"] == uninterrupted["weight_hash"]
+    assert continued_by_group["steps"][-1]["state"] == uninterrupted["steps"][-1]["state"]

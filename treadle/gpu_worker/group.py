@@ -1,0 +1,175 @@
+"""Worker groups: one engine per rank of a `torch.distributed` process group, driven by rank 0.
+
+Rank 0 is the worker the platform sees (it consumes the session queues, holds the leases and
+settles); its engine is a `GroupEngine`, which sends every call that changes an adapter to the
+other ranks (`broadcast_object_list` of the method and its arguments) before running it on its
+own engine, so every rank's engine sees the same calls in the same order. The other ranks run
+`follow`: receive a call, run it, until rank 0 closes the group or a collective times out.
+
+Data parallel, exact: `forward_backward` splits a request into parts the same way at every world
+size (`losses.microbatches`), each rank computes the parts `Group.assign` gives it (balanced by
+tokens), and `Group.exchange` hands every rank every part's outputs and LoRA gradient; each rank
+then adds the parts in their order, the sum one process makes, so adapters, optimizer states and
+their hashes are the same bit for bit at every world size. What only reads (sampling, exports,
+hashes, weights) runs on rank 0 alone, whose adapter is the whole adapter. Every collective has
+the group's timeout: a rank that dies fails the others within it instead of hanging them.
+Must not import flask, sqlalchemy, celery or treadle.api.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["MIRRORED", "Group", "GroupEngine", "Part", "follow", "init_from_env", "leave"]
+
+log = logging.getLogger(__name__)
+
+# Engine methods every rank runs (they change what an adapter or snapshot holds); the rest run
+# on rank 0 only.
+MIRRORED = frozenset(
+    {
+        "create_adapter",
+        "drop_adapter",
+        "set_adapter_weights",
+        "forward_backward",
+        "optim_step",
+        "snapshot",
+        "drop_snapshot",
+        "import_adapter",
+        "load_snapshot",
+    }
+)
+_CLOSE = "__close__"
+
+
+@dataclass
+class Part:
+    """One part of a forward_backward: its data's outputs, its summed loss and its LoRA
+    gradient (one tensor per adapter parameter, None where the parameter got none)."""
+
+    outputs: list[dict[str, np.ndarray]]
+    loss: float
+    grads: list[torch.Tensor | None] | None
+
+
+@dataclass(frozen=True)
+class Group:
+    """This process's place in the group: its rank, the world size and the collectives'
+    timeout."""
+
+    rank: int
+    world_size: int
+    timeout_seconds: float
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def assign(self, tokens_P: Sequence[int]) -> list[int]:
+        """The parts this rank computes: each part, largest first, goes to the rank with the
+        fewest tokens so far (ties to the lowest rank). The same on every rank."""
+        load = [0] * self.world_size
+        owner = [0] * len(tokens_P)
+        for part in sorted(range(len(tokens_P)), key=lambda p: (-tokens_P[p], p)):
+            rank = min(range(self.world_size), key=lambda r: (load[r], r))
+            owner[part] = rank
+            load[rank] += tokens_P[part]
+        return [p for p, r in enumerate(owner) if r == self.rank]
+
+    def exchange(self, mine: dict[int, Part], count: int) -> list[Part]:
+        """Every part, in order, on every rank: each rank's parts gathered to all."""
+        local = {p: _portable(part) for p, part in mine.items()}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        every: dict[int, Part] = {}
+        for parts in gathered:
+            every.update(parts)
+        assert sorted(every) == list(range(count)), (sorted(every), count)
+        return [every[p] for p in range(count)]
+
+
+def _portable(part: Part) -> Part:
+    """`part` with its gradients on the CPU, as gathered objects travel."""
+    grads = None if part.grads is None else [None if g is None else g.cpu() for g in part.grads]
+    return Part(part.outputs, part.loss, grads)
+
+
+def init_from_env(timeout_seconds: float, device: str | None = None) -> Group:
+    """Join the process group torchrun's environment describes (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT): NCCL on CUDA, gloo on the CPU, every collective bounded by `timeout_seconds`."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if on_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(
+        backend="nccl" if on_cuda else "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_seconds),
+    )
+    return Group(rank, world_size, timeout_seconds)
+
+
+class GroupEngine:
+    """Rank 0's engine: the `Engine` interface, each mirrored call sent to the other ranks
+    first. `interrupt` callbacks run on rank 0, once, before a call is sent (a call the group
+    has started runs to its end on every rank)."""
+
+    def __init__(self, engine: Any, group: Group) -> None:
+        assert group.is_leader
+        self.engine = engine
+        self.group = group
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.engine, name)
+        if name not in MIRRORED:
+            return attribute
+
+        def mirrored(*args: Any, **kwargs: Any) -> Any:
+            interrupt: Callable[[], None] | None = kwargs.pop("interrupt", None)
+            if interrupt is not None:
+                interrupt()
+            _send(name, args, kwargs)
+            return attribute(*args, **kwargs)
+
+        return mirrored
+
+    def close(self) -> None:
+        """Tell the other ranks to stop following."""
+        _send(_CLOSE, (), {})
+
+
+def _send(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    message: list[Any] = [(name, args, kwargs)]
+    dist.broadcast_object_list(message, src=0)
+
+
+def follow(engine: Any) -> None:
+    """A rank other than 0: run each call rank 0 sends on `engine`, until it closes the group.
+    A call's error is the same on every rank (the same inputs): it is logged and the rank goes
+    on, as rank 0 reports it to the client."""
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        name, args, kwargs = message[0]
+        if name == _CLOSE:
+            return
+        try:
+            getattr(engine, name)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001  # rank 0 raises the same and reports it
+            log.info("rank call %s failed as on rank 0: %s", name, exc)
+
+
+def leave() -> None:
+    """Leave the process group (after rank 0 closed it)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
