@@ -158,9 +158,14 @@ class Up:
 
 @contextlib.contextmanager
 def start_up(
-    data_dir: Path | None = None, *, workers: int = 2, env: dict[str, str] | None = None
+    data_dir: Path | None = None,
+    *,
+    workers: int = 2,
+    env: dict[str, str] | None = None,
+    devices: int = 1,
 ) -> Iterator[Up]:
-    """Run `treadle up` on embedded servers for the block; its data dir is removed after."""
+    """Run `treadle up` on embedded servers for the block (each worker a group of `devices`
+    ranks); its data dir is removed after."""
     # Under /tmp: unix socket paths must stay below 108 bytes.
     own_dir = data_dir is None
     data_dir = data_dir or Path(tempfile.mkdtemp(prefix="treadle-fault-"))
@@ -172,7 +177,7 @@ def start_up(
     log = (data_dir / "up.log").open("ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "treadle.cli", "up", "--port", str(port),
-         "--data-dir", str(data_dir), "--workers", str(workers)],
+         "--data-dir", str(data_dir), "--workers", str(workers), "--devices", str(devices)],
         env=full_env,
         stdout=log,
         stderr=subprocess.STDOUT,

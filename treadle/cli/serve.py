@@ -38,6 +38,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     up.add_argument("--data-dir", type=Path, default=None)
     up.add_argument("--workers", type=int, default=1)
     up.add_argument(
+        "--devices", type=int, default=1,
+        help="each worker a group of this many ranks (torch.distributed; one device each)",
+    )  # fmt: skip
+    up.add_argument(
         "--log-format", choices=logs.FORMATS, default=None,
         help="json (one object a line, the default) or human; overrides TREADLE_LOG_FORMAT "
         "and applies to the workers' logs too",
@@ -45,6 +49,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     worker = sub.add_parser("worker", help="run one Celery worker that hosts sessions")
     worker.add_argument("--worker-id", default=None)
     worker.add_argument("--index", type=int, default=0)
+    worker.add_argument(
+        "--devices", type=int, default=1,
+        help="run the worker as a group of this many ranks on this host (torch.distributed: "
+        "NCCL on GPUs, gloo on the CPU), launched as torchrun launches",
+    )  # fmt: skip
     migrate = sub.add_parser("migrate", help="upgrade the database schema to the latest version")
     migrate.add_argument("--data-dir", type=Path, default=None)
 
@@ -58,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(config.log_format)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     if args.command == "up":
-        return cmd_up(config, args.host, args.port, args.workers)
+        return cmd_up(config, args.host, args.port, args.workers, args.devices)
     if args.command == "worker":
         # Before torch loads OpenMP (libgomp): its idle threads spin briefly, then sleep. The
         # default spin (300,000 rounds) took several times the CPU a small operation needs, on
@@ -68,10 +77,22 @@ def run(args: argparse.Namespace) -> int:
         # (docs/benchmarks.md, "OpenMP threads in the worker"). An explicit setting wins.
         if "OMP_WAIT_POLICY" not in os.environ:
             os.environ.setdefault("GOMP_SPINCOUNT", WORKER_SPINCOUNT)
-        from treadle.gpu_worker.runtime import run_worker
         from treadle.platform.sessions.supervisor import default_worker_id
 
-        run_worker(config, args.worker_id or default_worker_id(config, args.index))
+        worker_id = args.worker_id or default_worker_id(config, args.index)
+        if args.devices < 1:
+            raise SystemExit("treadle worker: --devices must be 1 or more")
+        if args.devices == 1:
+            from treadle.gpu_worker.runtime import run_worker
+
+            run_worker(config, worker_id)
+            return 0
+        from treadle.gpu_worker import ranks
+
+        if ranks.is_rank():
+            ranks.run_rank(config, worker_id)
+        else:
+            ranks.launch(worker_id, args.devices)  # becomes torchrun
         return 0
     return cmd_migrate(config)
 
@@ -104,7 +125,7 @@ def _admin_key(config: PlatformConfig) -> str:
     return path.read_text().strip()
 
 
-def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
+def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int, devices: int = 1) -> int:
     from waitress.server import create_server
 
     from treadle.api.app import create_app
@@ -162,7 +183,7 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int) -> int:
         if embedded.redis is not None:
             services["redis"] = embedded.redis
         supervisor = Supervisor(
-            workers=_worker_processes(config, n_workers, log_dir, host),
+            workers=_worker_processes(config, n_workers, log_dir, host, devices),
             services=services,
             state_path=config.data_dir / "up.json",
             api_url=api_url,
@@ -203,7 +224,7 @@ def _say(config: PlatformConfig, text: str, **fields: object) -> None:
 
 
 def _worker_processes(
-    config: PlatformConfig, n_workers: int, log_dir: Path, host: str
+    config: PlatformConfig, n_workers: int, log_dir: Path, host: str, devices: int = 1
 ) -> list[WorkerProcess]:
     """How to start each worker: its id is passed explicitly, so a restarted process comes back
     under the same id (and first retires whatever a previous process of that id held). Worker i
@@ -219,6 +240,8 @@ def _worker_processes(
     for i in range(n_workers):
         worker_id = default_worker_id(config, i)
         argv = [sys.executable, "-m", "treadle.cli", "worker", "--index", str(i)]
+        if devices > 1:
+            argv += ["--devices", str(devices)]
         base = config.worker_metrics_port
         metrics_env = {
             "TREADLE_WORKER_METRICS_PORT": str(base + i if base else 0),

@@ -18,7 +18,7 @@ from treadle.cli import errors
 from treadle.cli.billing import render
 
 VERBS = ("status",)
-WORKER_COLUMNS = ("worker", "heartbeat_age", "alive", "sessions", "queued", "metrics_url")
+WORKER_COLUMNS = ("worker", "heartbeat_age", "alive", "sessions", "queued", "ranks", "metrics_url")
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -54,6 +54,7 @@ def show(body: dict[str, Any]) -> str:
             "sessions": w["sessions"],
             "queued": w["queued"],
             "metrics_url": w["metrics_url"] or "",
+            "ranks": w.get("world_size", 1),
         }
         for w in workers
     ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,10 @@ MIRRORED = frozenset(
     }
 )
 _CLOSE = "__close__"
+_PING = "__ping__"
+# A rank's exit status when its group failed (a rank died, a collective timed out): its
+# launcher ends the other ranks and the worker is started again.
+GROUP_FAILED_EXIT = 75
 
 
 @dataclass
@@ -89,7 +94,7 @@ class Group:
         """Every part, in order, on every rank: each rank's parts gathered to all."""
         local = {p: _portable(part) for p, part in mine.items()}
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, local)
+        _collective("all_gather_object", lambda: dist.all_gather_object(gathered, local))
         every: dict[int, Part] = {}
         for parts in gathered:
             every.update(parts)
@@ -128,6 +133,8 @@ class GroupEngine:
         assert group.is_leader
         self.engine = engine
         self.group = group
+        # One call in flight across the group: a ping never lands inside a call's collectives.
+        self._sending = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self.engine, name)
@@ -136,21 +143,53 @@ class GroupEngine:
 
         def mirrored(*args: Any, **kwargs: Any) -> Any:
             interrupt: Callable[[], None] | None = kwargs.pop("interrupt", None)
-            if interrupt is not None:
-                interrupt()
-            _send(name, args, kwargs)
-            return attribute(*args, **kwargs)
+            with self._sending:
+                if interrupt is not None:
+                    interrupt()
+                _send(name, args, kwargs)
+                return attribute(*args, **kwargs)
 
         return mirrored
 
+    def ping(self) -> None:
+        """While no call is in flight, show the other ranks the group is alive (they wait for
+        the next call at most the group's timeout), and learn whether they are."""
+        if self._sending.acquire(blocking=False):
+            try:
+                _send(_PING, (), {})
+            finally:
+                self._sending.release()
+
     def close(self) -> None:
         """Tell the other ranks to stop following."""
-        _send(_CLOSE, (), {})
+        with self._sending:
+            _send(_CLOSE, (), {})
 
 
 def _send(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     message: list[Any] = [(name, args, kwargs)]
-    dist.broadcast_object_list(message, src=0)
+    _collective("broadcast", lambda: dist.broadcast_object_list(message, src=0))
+
+
+def _receive() -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    message: list[Any] = [None]
+    _collective("broadcast", lambda: dist.broadcast_object_list(message, src=0))
+    return message[0]  # type: ignore[no-any-return]
+
+
+def _collective(what: str, run: Callable[[], Any]) -> Any:
+    """Run a collective; if the group failed (a rank died, the timeout passed), end this rank
+    at once: its operation stays pending in the log, and the next group rebuilds the session."""
+    try:
+        return run()
+    except RuntimeError as exc:
+        log.critical("the worker group failed in %s (%s); ending rank %d", what, exc, _rank())
+        logging.shutdown()
+        os._exit(GROUP_FAILED_EXIT)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else -1
 
 
 def follow(engine: Any) -> None:
@@ -158,11 +197,11 @@ def follow(engine: Any) -> None:
     A call's error is the same on every rank (the same inputs): it is logged and the rank goes
     on, as rank 0 reports it to the client."""
     while True:
-        message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0)
-        name, args, kwargs = message[0]
+        name, args, kwargs = _receive()
         if name == _CLOSE:
             return
+        if name == _PING:
+            continue
         try:
             getattr(engine, name)(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001  # rank 0 raises the same and reports it

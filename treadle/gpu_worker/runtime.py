@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 import redis
 from celery import Celery
 from celery.signals import after_setup_task_logger, worker_ready, worker_shutting_down
 
 from treadle.gpu_worker import gauges, heap
+from treadle.gpu_worker import group as worker_group
 from treadle.gpu_worker.capacity import Capacity
 from treadle.gpu_worker.engine import Engine
 from treadle.gpu_worker.host import SessionHost
@@ -59,7 +61,11 @@ class LeaseKeeper(threading.Thread):
         super().__init__(name="lease-keeper", daemon=True)
         self.config = config
         # What the heartbeat tells the platform about this process (`treadle status` shows it).
-        self.info = {"pid": os.getpid(), "metrics_url": metrics_url}
+        self.info: dict[str, Any] = {"pid": os.getpid(), "metrics_url": metrics_url}
+        if isinstance(host.engine, worker_group.GroupEngine):
+            group = host.engine.group
+            self.info["world_size"] = group.world_size
+            self.info["group_timeout_seconds"] = group.timeout_seconds
         self.host = host
         engine = host.engine
         self.capacity = Capacity(engine.device, engine.dtype, config.worker_model_memory_bytes)
@@ -80,6 +86,8 @@ class LeaseKeeper(threading.Thread):
 
     def tick(self) -> None:
         me = self.host.worker_id
+        if isinstance(self.host.engine, worker_group.GroupEngine):
+            self.host.engine.ping()  # a dead rank ends the group here, between operations
         with self.host.db.begin() as conn:
             # Retired models too: the sessions already on them still need a host.
             models = [m.info for m in registry.list_models(conn, include_retired=True)]
@@ -160,10 +168,18 @@ class LeaseKeeper(threading.Thread):
         routing.wake(self.app, session_id, request_id)
 
 
-def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO") -> None:
+def run_worker(
+    config: PlatformConfig,
+    worker_id: str,
+    *,
+    loglevel: str = "INFO",
+    group: worker_group.Group | None = None,
+) -> None:
+    """Run the worker `worker_id` until it is shut down: alone, or as rank 0 of `group`, whose
+    other ranks follow its engine (`gpu_worker/ranks.py`)."""
     heap.keep_freed_pages()
     database = db.connect(config.database_url, pool_size=4)
-    engine = Engine(
+    engine: Engine | worker_group.GroupEngine = Engine(
         cache_dir=config.cache_dir,
         device=config.device,
         max_loaded_adapters=config.max_loaded_adapters or None,  # 0: no limit
@@ -172,7 +188,11 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         pack_cpu_weights=config.pack_cpu_weights,
         activation_checkpointing=config.activation_checkpointing,
         models=registry.ModelRegistry(database).get,
+        group=group,
+        microbatch_tokens=config.microbatch_tokens or None,
     )
+    if group is not None:
+        engine = worker_group.GroupEngine(engine, group)
     host = SessionHost(
         db=database,
         redis_client=redis.Redis.from_url(config.redis_url),
@@ -227,6 +247,9 @@ def run_worker(config: PlatformConfig, worker_id: str, *, loglevel: str = "INFO"
         host.close()
         keeper.stopped.set()
         keeper.join(timeout=10)
+        if isinstance(engine, worker_group.GroupEngine):
+            engine.close()  # the other ranks stop following
+            worker_group.leave()
         with host.db.begin() as conn:
             released = leases.retire_worker(conn, worker_id, "the worker shut down")
         log.info("%s: released %d session lease(s) on shutdown", worker_id, len(released))

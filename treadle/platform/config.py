@@ -87,6 +87,12 @@ class PlatformConfig:
     # Recompute each decoder layer in the backward instead of keeping its activations: None
     # where a training pass is big enough for it to save memory, True always, False never.
     activation_checkpointing: bool | None = None
+    # Padded tokens per part of a forward_backward (0: the engine's default, 16,384): one
+    # pass's size, and the grain at which a worker group splits a request across its ranks.
+    microbatch_tokens: int = 0
+    # How long a worker group's collective may wait for a rank before the group fails (rank 0
+    # pings the others at a quarter of it while idle).
+    group_timeout_seconds: float = 120.0
     s3_endpoint: str = ""
     s3_bucket: str = "treadle"
     s3_access_key: str = ""
@@ -155,6 +161,8 @@ class PlatformConfig:
             pack_cpu_weights=env.get("TREADLE_PACK_CPU_WEIGHTS", "1") != "0",
             worker_model_memory_bytes=_whole(env, "TREADLE_WORKER_MODEL_MEMORY", 0),
             activation_checkpointing=_auto_flag(env, "TREADLE_ACTIVATION_CHECKPOINTING"),
+            microbatch_tokens=_whole(env, "TREADLE_MICROBATCH_TOKENS", 0),
+            group_timeout_seconds=_number(env, "TREADLE_GROUP_TIMEOUT_SECONDS", 120.0),
             s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
             s3_bucket=env.get("TREADLE_S3_BUCKET") or "treadle",
             s3_access_key=env.get("TREADLE_S3_ACCESS_KEY") or env.get("AWS_ACCESS_KEY_ID", ""),
@@ -194,6 +202,8 @@ class PlatformConfig:
             "TREADLE_ACTIVATION_CHECKPOINTING": {None: "auto", True: "on", False: "off"}[
                 self.activation_checkpointing
             ],
+            "TREADLE_MICROBATCH_TOKENS": str(self.microbatch_tokens),
+            "TREADLE_GROUP_TIMEOUT_SECONDS": str(self.group_timeout_seconds),
             "TREADLE_WORKER_METRICS_PORT": str(self.worker_metrics_port),
             "TREADLE_WORKER_METRICS_ADDR": self.worker_metrics_addr,
             "TREADLE_LOG_FORMAT": self.log_format,

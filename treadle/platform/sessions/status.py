@@ -33,6 +33,7 @@ class WorkerStatus:
     queued: int  # pending operations of those sessions
     metrics_url: str | None  # its Prometheus endpoint, from its heartbeat, when it serves one
     device: str | None  # where it runs its models ("cpu", "cuda:0"), from its heartbeat
+    world_size: int  # its ranks: a worker group runs each session on all of them
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ def read_status(
                 queued=row.queued,
                 metrics_url=_text_or_none((row.info or {}).get("metrics_url")),
                 device=_text_or_none((row.info or {}).get("device")),
+                world_size=int((row.info or {}).get("world_size", 1)),
             )
             for row in rows
         ],

@@ -1,0 +1,104 @@
+"""Worker groups as processes: `treadle worker --devices N` on one host.
+
+The command's process becomes torchrun (`torch.distributed.run --standalone`, no restarts): it
+starts N ranks, each `treadle worker` again with torchrun's environment (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and when any rank ends it ends the others and exits, so
+whoever started the worker (`treadle up`'s supervisor, compose's restart policy) starts a new
+group, which claims the sessions back and rebuilds them from their checkpoints and logs. Rank 0
+is the worker the platform sees (`runtime.run_worker` with the group); the other ranks follow
+it (`run_follower`). Each rank dies with torchrun (PR_SET_PDEATHSIG), so none is left behind.
+Several hosts per group is torchrun's multi-node launch of the same command (docs/deploy.md).
+Must not import flask or treadle.api.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+from treadle.gpu_worker import group as worker_group
+from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.runtime import run_worker
+from treadle.platform import db
+from treadle.platform.config import PlatformConfig
+from treadle.platform.models import registry
+
+__all__ = ["is_rank", "launch", "run_follower", "run_rank"]
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def is_rank() -> bool:
+    """Whether this process is a rank torchrun started (rather than the command a user ran)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(worker_id: str, devices: int) -> None:
+    """Become torchrun, starting `devices` ranks of worker `worker_id`; never returns."""
+    env = dict(os.environ)
+    # torchrun sets one OpenMP thread per rank unless told; a rank runs a part on the threads
+    # one worker would, so a part's float results do not depend on the world size.
+    env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={devices}", "--max-restarts=0", "--monitor-interval=0.5",
+        "-m", "treadle.cli", "worker", "--worker-id", worker_id, "--devices", str(devices),
+    ]  # fmt: skip
+    log.info("%s: starting a group of %d ranks", worker_id, devices)
+    os.execve(sys.executable, argv, env)
+
+
+def run_rank(config: PlatformConfig, worker_id: str) -> None:
+    """One rank of worker `worker_id`'s group: rank 0 runs the worker, the others follow."""
+    _die_with_parent()
+    group = worker_group.init_from_env(config.group_timeout_seconds, config.device)
+    if group.is_leader:
+        run_worker(config, worker_id, group=group)
+    else:
+        run_follower(config, worker_id, group)
+
+
+def run_follower(config: PlatformConfig, worker_id: str, group: worker_group.Group) -> None:
+    """A rank other than 0: an engine of its own (its own spill folder), running what rank 0
+    sends until it closes the group."""
+    database = db.connect(config.database_url, pool_size=1)
+    engine = Engine(
+        cache_dir=config.cache_dir,
+        device=_device(config, group),
+        max_loaded_adapters=config.max_loaded_adapters or None,
+        max_loaded_snapshots=config.max_loaded_snapshots or None,
+        spill_dir=config.spill_dir(f"{worker_id}.rank{group.rank}"),
+        pack_cpu_weights=False,  # followers never sample
+        activation_checkpointing=config.activation_checkpointing,
+        models=registry.ModelRegistry(database).get,
+        group=group,
+        microbatch_tokens=config.microbatch_tokens or None,
+    )
+    log.info("%s: rank %d of %d following rank 0", worker_id, group.rank, group.world_size)
+    try:
+        worker_group.follow(engine)
+    finally:
+        worker_group.leave()
+        database.dispose()
+
+
+def _device(config: PlatformConfig, group: worker_group.Group) -> str | None:
+    """This rank's device: its own GPU (LOCAL_RANK), or the configured device."""
+    if torch.cuda.is_available() and (config.device or "cuda").startswith("cuda"):
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', group.rank))}"
+    return config.device
+
+
+def _die_with_parent() -> None:
+    """Be killed when torchrun goes, however it goes (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: torchrun still ends its ranks when it exits normally
+        pass
