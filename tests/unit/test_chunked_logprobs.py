@@ -19,7 +19,9 @@ from engine_support import DATA, new_adapter, randomise_b
 from transformers import LlamaForCausalLM, PreTrainedModel
 
 from tests.architectures import ARCHITECTURES, build
+from treadle.gpu_worker import losses as losses_module
 from treadle.gpu_worker.chunked_logprobs import (
+    CHECKPOINT_ABOVE_FRACTION,
     checkpointed_layers,
     output_head,
     target_logprobs,
@@ -31,7 +33,6 @@ from treadle.gpu_worker.losses import (
     MICROBATCH_TOKENS,
     EngineDatum,
     batch_loss,
-    full_logits_vocab,
     get_loss,
     microbatches,
     validate_data,
@@ -42,6 +43,14 @@ LENGTHS = (24, 17)  # longer than the sliding windows (16); 41 real positions, 4
 CHUNK_ROWS = (1, 7, 41, 1000)  # 7 divides neither T nor the 41 positions; 1000: one chunk
 TOL = 1e-5  # relative and absolute
 LOSS = get_loss("cross_entropy")
+
+
+@pytest.fixture(autouse=True)
+def always_chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compare the chunked path with the plain one: no pass is small enough to be
+    computed whole (`FULL_LOGITS_AT_MOST`), except in the test of that rule itself."""
+    if "whole" not in request.node.name:
+        monkeypatch.setattr(losses_module, "FULL_LOGITS_AT_MOST", 0)
 
 
 def adapted(name: str) -> tuple[PreTrainedModel, LoraHost, LoraWeights]:
@@ -116,7 +125,6 @@ def saved_tensors() -> Iterator[list[torch.Tensor]]:
 def test_every_architecture_has_a_known_output_layer(name: str) -> None:
     """So none of the admitted architectures silently falls back to full logits."""
     assert output_head(build(name, VOCAB)) is not None
-    assert full_logits_vocab(build(name, VOCAB)) is None
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -197,7 +205,6 @@ def test_an_unknown_output_layer_runs_the_full_logits() -> None:
     custom = Custom(model.config)
     custom.load_state_dict(model.state_dict())
     assert output_head(custom) is None
-    assert full_logits_vocab(custom) == VOCAB
     tokens_B_T, mask_B_T, targets_B_T = tensors(batch())
     with torch.no_grad():
         lp_B_T = target_logprobs(custom, tokens_B_T, mask_B_T, targets_B_T, logits_per_chunk=VOCAB)
@@ -208,12 +215,16 @@ def test_an_unknown_output_layer_runs_the_full_logits() -> None:
 
 
 def test_checkpointing_by_default_only_where_activations_pass_the_budget() -> None:
-    model = build("llama3", VOCAB)  # hidden 32, 2 layers, float32: 5 KiB a token
+    import psutil
+
+    model = build("llama3", VOCAB)  # hidden 32, 2 layers, float32: 5,120 bytes a token
+    budget = CHECKPOINT_ABOVE_FRACTION * psutil.virtual_memory().total  # the CPU: the host's
     assert not wants_checkpointing(model, MICROBATCH_TOKENS)
-    assert wants_checkpointing(model, 2**20)
+    assert not wants_checkpointing(model, int(budget // 5120) - 1)
+    assert wants_checkpointing(model, int(budget // 5120) + 1)
 
 
-def test_chunked_microbatches_are_bounded_by_tokens_not_logits() -> None:
+def test_microbatches_are_bounded_by_tokens_and_logits() -> None:
     arrays = [{"tokens": np.zeros(n, np.int64)} for n in (8192, 8192, 100, 16384)]
     groups = microbatches(arrays, None)
     assert [[len(a["tokens"]) for a in g] for g in groups] == [[8192, 8192], [100], [16384]]
@@ -232,3 +243,13 @@ def test_the_engine_checkpointing_or_not_accumulates_the_same_grads(cache_dir: P
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     for name, grad in grads[0].items():
         np.testing.assert_allclose(grads[1][name], grad, rtol=TOL, atol=TOL, err_msg=name)
+
+
+def test_a_pass_whose_logits_are_small_is_computed_whole() -> None:
+    model, host, weights = adapted("qwen3")
+    default, default_lp = lora_grads(model, host, weights)
+    whole, whole_lp = lora_grads(model, host, weights, logits_per_chunk=None)
+    for a, b in zip(default_lp, whole_lp, strict=True):  # the same computation, bit for bit
+        np.testing.assert_array_equal(a, b)
+    for name, grad in whole.items():
+        np.testing.assert_array_equal(default[name], grad)

@@ -172,7 +172,7 @@ def test_a_batch_run_in_several_passes_equals_its_passes_as_calls(
     monkeypatch.setattr(losses_module, "MICROBATCH_TOKENS", 500)
     rng = np.random.default_rng(5)
     data = [ce_datum([int(t) for t in rng.integers(1, 49_000, n)]) for n in (400, 390, 380)]
-    assert len(microbatches([{"tokens": np.asarray(d.tokens)} for d in data], None)) == 3
+    assert len(microbatches([{"tokens": np.asarray(d.tokens)} for d in data], 49_152)) == 3
     parts, whole = new_adapter(engine), new_adapter(engine)
     randomise_b(engine, parts, seed=1)
     randomise_b(engine, whole, seed=1)

@@ -18,6 +18,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -35,7 +36,8 @@ from transformers import (
 
 __all__ = [
     "ACTIVATION_VALUES_PER_HIDDEN",
-    "CHECKPOINT_ABOVE_BYTES",
+    "CHECKPOINT_ABOVE_FRACTION",
+    "FULL_LOGITS_AT_MOST",
     "checkpointed_layers",
     "output_head",
     "target_logprobs",
@@ -66,11 +68,16 @@ _PLAIN_HEADS = (
 # without the attention scores). Checkpointed, it keeps one: its input.
 ACTIVATION_VALUES_PER_HIDDEN = 20
 # Checkpointing costs one more forward of the layers, about a third more compute per training
-# pass; pay it only where the activations it saves would pass 1 GiB. Below that they are small
-# next to any real model's weights (SmolLM2-135M in float32: 0.5 GB): SmolLM2-135M (float32)
-# checkpoints passes above ~800 tokens, an 8B model in bfloat16 above ~200, the tiny debug model
-# never.
-CHECKPOINT_ABOVE_BYTES = 2**30
+# pass; pay it only where the activations it saves would take a quarter of the device's memory
+# (the GPU's, or the host's on the CPU). On a 24 GiB host SmolLM2-135M (float32, ~1.4 MB a token)
+# checkpoints passes above ~4,400 tokens; on an 80 GB GPU an 8B model (bfloat16, ~5.2 MB a
+# token) above ~3,900; the tiny debug model never.
+CHECKPOINT_ABOVE_FRACTION = 0.25
+# Logits (positions x vocabulary) a pass computes whole, the fastest way: past this, in chunks
+# recomputed in the backward (one more pass of the output layer), so the memory stays one
+# chunk's. 2**27 float32 values are 512 MiB: a 2,048-token pass of a 49,152-token vocabulary is
+# whole, 8,192 tokens of a 151,936-token one are chunked.
+FULL_LOGITS_AT_MOST = 2**27
 
 
 def output_head(model: PreTrainedModel) -> Head | None:
@@ -143,11 +150,19 @@ def _chunk_logprobs(head: Head, hidden_C_H: Tensor, targets_C: Tensor) -> Tensor
 
 def wants_checkpointing(model: PreTrainedModel, tokens: int) -> bool:
     """Whether checkpointing the decoder layers of a training pass over `tokens` padded tokens
-    saves enough memory to be worth a third more compute (see CHECKPOINT_ABOVE_BYTES)."""
+    saves enough memory to be worth a third more compute (see CHECKPOINT_ABOVE_FRACTION)."""
     config = model.config.get_text_config()
-    element = next(model.parameters()).element_size()
-    kept = ACTIVATION_VALUES_PER_HIDDEN * config.hidden_size * config.num_hidden_layers * element
-    return tokens * kept > CHECKPOINT_ABOVE_BYTES
+    first = next(model.parameters())
+    kept = ACTIVATION_VALUES_PER_HIDDEN * config.hidden_size * config.num_hidden_layers
+    return tokens * kept * first.element_size() > CHECKPOINT_ABOVE_FRACTION * _memory(first.device)
+
+
+@functools.cache
+def _memory(device: torch.device) -> int:
+    """Total bytes of `device`'s memory: the GPU's, or the host's RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(psutil.virtual_memory().total)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,6 @@ from treadle.gpu_worker.losses import (
     EngineDatum,
     LossFn,
     batch_loss,
-    full_logits_vocab,
     get_loss,
     microbatches,
     padded_tokens,
@@ -316,9 +315,7 @@ class Engine:
                 config=config,
             )
             vocab_size = base.model.config.vocab_size
-            chunks = microbatches(
-                arrays, full_logits_vocab(base.model), max_tokens=self.microbatch_tokens
-            )
+            chunks = microbatches(arrays, vocab_size, max_tokens=self.microbatch_tokens)
             tokens_P = [padded_tokens(chunk) for chunk in chunks]
             mine = self.group.assign(tokens_P) if self.group else range(len(chunks))
             tokens = sum(tokens_P[p] for p in mine)

@@ -22,8 +22,9 @@ import datetime
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,14 @@ class Part:
     grads: list[torch.Tensor | None] | None
 
 
+@dataclass
+class CollectiveTime:
+    """Time this rank spent in forward_backward's exchanges (waiting for the others included)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
 @dataclass(frozen=True)
 class Group:
     """This process's place in the group: its rank, the world size and the collectives'
@@ -74,6 +83,7 @@ class Group:
     rank: int
     world_size: int
     timeout_seconds: float
+    exchanged: CollectiveTime = field(default_factory=CollectiveTime, compare=False)
 
     @property
     def is_leader(self) -> bool:
@@ -94,7 +104,10 @@ class Group:
         """Every part, in order, on every rank: each rank's parts gathered to all."""
         local = {p: _portable(part) for p, part in mine.items()}
         gathered: list[Any] = [None] * self.world_size
+        started = time.perf_counter()
         _collective("all_gather_object", lambda: dist.all_gather_object(gathered, local))
+        self.exchanged.seconds += time.perf_counter() - started
+        self.exchanged.calls += 1
         every: dict[int, Part] = {}
         for parts in gathered:
             every.update(parts)

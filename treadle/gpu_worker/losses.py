@@ -21,8 +21,8 @@ import torch
 from transformers import PreTrainedModel
 
 from treadle.gpu_worker.chunked_logprobs import (
+    FULL_LOGITS_AT_MOST,
     checkpointed_layers,
-    output_head,
     target_logprobs,
     wants_checkpointing,
 )
@@ -42,7 +42,6 @@ __all__ = [
     "EngineDatum",
     "LossFn",
     "batch_loss",
-    "full_logits_vocab",
     "get_loss",
     "microbatches",
     "padded_tokens",
@@ -299,24 +298,19 @@ def _token_array(i: int, name: str, values: object, vocab_size: int) -> np.ndarr
     return tokens
 
 
-def full_logits_vocab(model: PreTrainedModel) -> int | None:
-    """The vocabulary whose full logits a pass of `model` materialises, for `microbatches`: None
-    where `batch_loss` computes them in chunks (an output layer `chunked_logprobs` knows)."""
-    return None if output_head(model) is not None else model.config.vocab_size
-
-
 def microbatches(
     arrays: list[dict[str, np.ndarray]], vocab_size: int | None, max_tokens: int | None = None
 ) -> list[list[dict[str, np.ndarray]]]:
-    """Consecutive groups whose padded size (rows x longest) stays within MICROBATCH_TOKENS and,
-    for a pass that materialises the full logits of a `vocab_size` vocabulary
-    (`full_logits_vocab`), whose logits stay within MICROBATCH_LOGITS (a datum longer than that
-    runs alone). With `vocab_size` None, logits come in chunks whatever the pass's size, so only
-    the token budget applies (`max_tokens`, MICROBATCH_TOKENS by default). A datum's results
-    do not depend on its group (up to float rounding)."""
+    """Consecutive groups whose padded size (rows x longest) stays within `max_tokens`
+    (MICROBATCH_TOKENS by default) and, for a `vocab_size` vocabulary, whose logits stay within
+    MICROBATCH_LOGITS: passes of that size were the fastest on the CPU. A datum longer than that
+    runs alone, its logits computed in chunks once they pass FULL_LOGITS_AT_MOST (`batch_loss`),
+    so no pass holds [T, V] logits however long its sequence. With `vocab_size` None only the
+    token budget applies. A datum's results do not depend on its group (up to float
+    rounding)."""
     limit = MICROBATCH_TOKENS if max_tokens is None else max_tokens
     if vocab_size is not None:
-        limit = max(1, min(MICROBATCH_TOKENS, MICROBATCH_LOGITS // vocab_size))
+        limit = max(1, min(limit, MICROBATCH_LOGITS // vocab_size))
     groups: list[list[dict[str, np.ndarray]]] = []
     current: list[dict[str, np.ndarray]] = []
     width = 0
@@ -351,7 +345,9 @@ def batch_loss(
     tensor the caller may backpropagate. Logprobs and losses are computed in float32.
 
     The logits come at most `logits_per_chunk` at a time (None: all at once, the model's own
-    forward; see `chunked_logprobs.target_logprobs`). With `checkpoint_layers` the decoder layers
+    forward; see `chunked_logprobs.target_logprobs`), once the pass's logits pass
+    FULL_LOGITS_AT_MOST; a smaller pass computes them whole. Which way depends only on the
+    pass's size, so a replay and every rank of a group take the same one. With `checkpoint_layers` the decoder layers
     are recomputed in the backward instead of keeping their activations; None decides by the
     pass's size (`wants_checkpointing`), and never while grads are off. Results are the same
     either way, up to float rounding."""
@@ -369,6 +365,8 @@ def batch_loss(
     tokens_B_T = padded("tokens", torch.long)
     targets_B_T = padded("target_tokens", torch.long)
     inputs = {name: padded(name, torch.float32) for name in loss.spec.tensor_inputs}
+    if len(arrays) * width * model.config.vocab_size <= FULL_LOGITS_AT_MOST:
+        logits_per_chunk = None  # small enough to compute whole, the fastest way
     if checkpoint_layers is None:
         checkpoint_layers = torch.is_grad_enabled() and wants_checkpointing(
             model, len(arrays) * width

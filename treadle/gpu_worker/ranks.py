@@ -58,6 +58,9 @@ def run_rank(config: PlatformConfig, worker_id: str) -> None:
     """One rank of worker `worker_id`'s group: rank 0 runs the worker, the others follow."""
     _die_with_parent()
     group = worker_group.init_from_env(config.group_timeout_seconds, config.device)
+    tag = _RankTag(worker_id, group.rank, group.world_size)
+    for handler in logging.getLogger().handlers:  # every line says which rank of which group
+        handler.addFilter(tag)
     if group.is_leader:
         run_worker(config, worker_id, group=group)
     else:
@@ -86,6 +89,20 @@ def run_follower(config: PlatformConfig, worker_id: str, group: worker_group.Gro
     finally:
         worker_group.leave()
         database.dispose()
+
+
+class _RankTag(logging.Filter):
+    """Adds the group (the worker's id), the rank and the world size to every log record."""
+
+    def __init__(self, worker_id: str, rank: int, world_size: int) -> None:
+        super().__init__()
+        self.worker_id, self.rank, self.world_size = worker_id, rank, world_size
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.group = self.worker_id
+        record.rank = self.rank
+        record.world_size = self.world_size
+        return True
 
 
 def _device(config: PlatformConfig, group: worker_group.Group) -> str | None:
