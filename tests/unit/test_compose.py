@@ -142,7 +142,8 @@ def test_worker_service_scales() -> None:
     worker = services()["worker"]
     for fixed in ("container_name", "hostname", "ports"):
         assert fixed not in worker, f"the worker service sets {fixed}: replicas would collide"
-    assert worker["command"] == ["treadle", "worker"]  # its id: w0.<platform>@<hostname>
+    # its id: w0.<platform>@<hostname>; a group of ranks with TREADLE_WORKER_DEVICES
+    assert worker["command"] == ["treadle", "worker", "--devices", "${TREADLE_WORKER_DEVICES:-1}"]
     port = environment(worker)["TREADLE_WORKER_METRICS_PORT"]
     assert [str(p) for p in worker["expose"]] == [port]
 
