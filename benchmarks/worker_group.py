@@ -9,7 +9,10 @@ the runs are the same bit for bit. On a 2-core CPU this shows the cost of the ma
 speed-up (two ranks share the two cores).
 
     python benchmarks/worker_group.py [--model NAME] [--steps N] [--world-sizes 1 2]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--group-of-one]
+
+On a machine with one GPU: `--device cuda --world-sizes 1 --group-of-one` runs the engine as a
+one-rank NCCL group (the machinery, its exchange included, on the device).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def world(args: argparse.Namespace, size: int) -> dict[str, object]:
-    if size == 1:
+    if size == 1 and not args.group_of_one:
         engine = Engine(cache_dir=args.cache_dir, device=args.device, microbatch_tokens=PART_TOKENS)
         return {**run(engine, args.model, args.steps), "exchange_s_per_step": 0.0}
     out = args.cache_dir / f"world{size}.json"
@@ -119,6 +122,10 @@ def main() -> int:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument(
+        "--group-of-one", action="store_true",
+        help="world size 1 as a process group of one rank too (NCCL on a single GPU)",
+    )  # fmt: skip
     parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
