@@ -449,3 +449,41 @@ def test_a_cookbook_recipe_runs_unmodified_on_a_model_its_table_knows(
     steps = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1]
     assert all(np.isfinite(s["train_mean_nll"]) and s["train_mean_nll"] > 0 for s in steps)
+
+
+def test_a_second_gguf_entry_loads_its_own_file(
+    platform: Platform, key: str, service: tinker.ServiceClient, tmp_path: Path
+) -> None:
+    """A GGUF registered from a folder of its own (a copy of SmolLM2's file) converts that
+    file: the same weights as the built-in SmolLM2, under the new name and cache."""
+    import shutil
+
+    from treadle.platform.config import PlatformConfig
+    from treadle.platform.models.catalog import SMOLLM2_NAME, smollm2_gguf_path
+
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    shutil.copy(smollm2_gguf_path(), folder / "model.gguf")
+    name = f"gguf-{secrets.token_hex(3)}/smol"
+    done = cli(platform, "models", "add", name, "--path", str(folder), "--gguf-file", "model.gguf")
+    assert done.returncode == 0, done.stderr
+    entry = json.loads(done.stdout)
+    assert (entry["kind"], entry["architecture"], entry["gguf_file"]) == (
+        "gguf", "LlamaForCausalLM", "model.gguf",
+    )  # fmt: skip
+    assert entry["parameters"] == 134_515_008 and entry["max_context_length"] == 8192
+    mine = service.create_lora_training_client(name, rank=4, seed=1).result()
+    builtin = service.create_lora_training_client(SMOLLM2_NAME, rank=4, seed=1).result()
+    prompt = PROMPT[:6]
+    np.testing.assert_array_equal(forward_logprobs(mine, prompt), forward_logprobs(builtin, prompt))
+    cache = PlatformConfig.from_env().cache_dir
+    assert (cache / "models" / name.replace("/", "--") / "config.json").is_file()
+    admin = AdminClient(platform.base_url, platform.admin_key)
+    try:
+        with pytest.raises(TreadleApiError, match="no file 'missing.gguf'"):
+            admin.register_model(f"{name}-2", path=str(folder), gguf_file="missing.gguf")
+        (folder / "bad.gguf").write_bytes(b"not a gguf file at all")
+        with pytest.raises(TreadleApiError, match="not a readable GGUF file"):
+            admin.register_model(f"{name}-3", path=str(folder), gguf_file="bad.gguf")
+    finally:
+        admin.close()

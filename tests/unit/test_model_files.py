@@ -11,7 +11,7 @@ import pytest
 
 from tests import tiny_models
 from treadle.platform.errors import ValidationError
-from treadle.platform.models import model_files, registry
+from treadle.platform.models import model_files, registry, tokenizers
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -28,7 +28,7 @@ def test_the_entry_holds_what_the_files_say(mistral: Path) -> None:
     assert info.vocab_size == 320 and info.tokenizer_vocab_size == 320
     assert info.eos_token_ids == (2,) and info.has_chat_template and info.max_lora_rank == 8
     assert info.size_bytes == 4 * info.parameters > 0
-    assert model_files.tokenizer_file_names(mistral) == [
+    assert tokenizers.tokenizer_file_names(mistral) == [
         "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja",
         "generation_config.json", "config.json",
     ]  # fmt: skip

@@ -29,6 +29,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     source.add_argument("--path", help="absolute path of the model folder (config.json, ...)")
     source.add_argument("--hub-id", help="a hub repo id already in the Hugging Face cache")
     add.add_argument("--revision", help="with --hub-id: the commit, tag or branch to pin")
+    add.add_argument("--gguf-file", help="with --path: a GGUF file in the folder to convert")
     add.add_argument("--description", default=None)
     add.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     add.add_argument("--max-lora-rank", type=int, default=128)
@@ -79,6 +80,7 @@ def _registration(args: argparse.Namespace) -> dict[str, Any]:
         "path": args.path,
         "hub_id": args.hub_id,
         "revision": args.revision,
+        "gguf_file": args.gguf_file,
         "dtype": args.dtype,
         "max_lora_rank": args.max_lora_rank,
         "lora_targets": [t.strip() for t in args.lora_targets.split(",") if t.strip()],

@@ -85,7 +85,8 @@ class AdminClient(RestClient):
     ) -> dict[str, Any]:
         """Register base model `name` (operator only) from a folder in the Hugging Face layout
         (`path`, absolute, readable by the API and the workers) or from `hub_id` at a pinned
-        `revision` in the hosts' Hugging Face cache. `options`: description, dtype,
+        `revision` in the hosts' Hugging Face cache. `options`: gguf_file (a GGUF file in `path`
+        to convert), description, dtype,
         max_lora_rank, lora_targets (a subset of attn, mlp, unembed), max_context_length,
         prices ({token class: USD per million}).
 
@@ -102,6 +103,7 @@ class AdminClient(RestClient):
         for key, value in (("path", path), ("hub_id", hub_id), ("revision", revision)):
             if value is not None:
                 body[key] = value
+        body = {k: v for k, v in body.items() if v is not None}
         return self._ok(self.http.post("/base_models", json=body))["base_model"]  # type: ignore[no-any-return]
 
     def list_models(self, include_retired: bool = False) -> list[dict[str, Any]]:

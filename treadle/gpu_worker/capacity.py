@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import torch
 
-from treadle.platform.models.catalog import BaseModelInfo, smollm2_gguf_path
+from treadle.platform.models.catalog import BaseModelInfo, gguf_path
 
 __all__ = ["HEADROOM", "Capacity", "device_memory"]
 
@@ -68,8 +68,9 @@ class Capacity:
     def _check(self, info: BaseModelInfo) -> str | None:
         if info.kind == "gguf":
             try:
-                smollm2_gguf_path()
-            except FileNotFoundError as exc:
+                if not os.access(gguf_path(info), os.R_OK):
+                    return f"cannot read {gguf_path(info)} on this host"
+            except FileNotFoundError as exc:  # the built-in's package is not installed
                 return str(exc)
         if info.kind == "hf":
             folder = Path(info.path or "")

@@ -24,7 +24,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from treadle.platform.models.catalog import BaseModelInfo, get_base_model, smollm2_gguf_path
+from treadle.platform.models.catalog import BaseModelInfo, get_base_model, gguf_path
 from treadle.platform.models.tokenizers import load_tokenizer, safe_name
 
 __all__ = ["TINY_DEBUG_SEED", "build_tiny_debug", "load_base_model", "model_dir"]
@@ -94,17 +94,18 @@ def build_tiny_debug(tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
 
 
 def model_dir(info: BaseModelInfo, cache_dir: Path) -> Path:
-    """The safetensors folder of a GGUF catalogue model, converting the GGUF on first use."""
+    """The safetensors folder of a GGUF model (a built-in or a registered one), converting its
+    own GGUF file on first use."""
     folder = Path(cache_dir) / "models" / safe_name(info.name)
     if not (folder / "config.json").is_file():
-        _convert_gguf(folder)
+        _convert_gguf(folder, info)
     return folder
 
 
-def _convert_gguf(folder: Path) -> None:
-    """Dequantise the GGUF into float32 safetensors under `folder`, atomically: racing processes
-    each write a private temporary folder and the first rename wins."""
-    gguf = smollm2_gguf_path()
+def _convert_gguf(folder: Path, info: BaseModelInfo) -> None:
+    """Dequantise `info`'s own GGUF file into float32 safetensors under `folder`, atomically:
+    racing processes each write a private temporary folder and the first rename wins."""
+    gguf = gguf_path(info)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:

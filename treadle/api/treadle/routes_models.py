@@ -51,7 +51,7 @@ def register_model() -> Any:
     with services().db.begin() as conn:
         found = registry.register(
             conn, who, body.name, options, path=body.path, hub_id=body.hub_id,
-            revision=body.revision,
+            revision=body.revision, gguf_file=body.gguf_file,
         )  # fmt: skip
         for token_class, usd in (body.prices or {}).items():
             prices.set_price(

@@ -20,6 +20,7 @@ class RegisterModel(Body):
     path: str | None = Field(None, min_length=1, max_length=4096)
     hub_id: str | None = Field(None, min_length=3, max_length=193)
     revision: str | None = Field(None, min_length=1, max_length=255)
+    gguf_file: str | None = Field(None, min_length=1, max_length=255)  # a GGUF file in `path`
     description: str | None = Field(None, min_length=1, max_length=1000)
     dtype: str = Field("auto", json_schema_extra={"enum": list(DTYPES)})
     max_lora_rank: int = Field(128, ge=1, le=1024)

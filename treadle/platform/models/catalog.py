@@ -24,6 +24,7 @@ __all__ = [
     "BaseModelInfo",
     "base_model_for_tokenizer_repo",
     "get_base_model",
+    "gguf_path",
     "list_base_models",
     "smollm2_gguf_path",
     "tokenizer_repo_ids",
@@ -176,6 +177,14 @@ def base_model_for_tokenizer_repo(repo_id: str) -> BaseModelInfo | None:
     return next((info for info in _CATALOG if info.name == repo_id), None) or next(
         (info for info in _CATALOG if info.tokenizer_id == repo_id), None
     )
+
+
+def gguf_path(info: BaseModelInfo) -> Path:
+    """The GGUF file a "gguf" model is converted from: a registered entry's own
+    (`<path>/<gguf_file>`), or for the built-ins SmolLM2's, from its package."""
+    if info.path is not None and info.gguf_file is not None:
+        return Path(info.path) / info.gguf_file
+    return smollm2_gguf_path()
 
 
 def smollm2_gguf_path() -> Path:

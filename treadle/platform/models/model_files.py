@@ -22,14 +22,14 @@ from typing import Any
 
 from treadle.platform.errors import ValidationError
 from treadle.platform.models.catalog import LORA_CATEGORIES, BaseModelInfo
+from treadle.platform.models.tokenizers import gguf_metadata, tokenizer_from_gguf
 
 __all__ = [
     "ADMITTED_ARCHITECTURES",
     "DTYPES",
-    "TOKENIZER_FILES",
     "Options",
     "inspect_folder",
-    "tokenizer_file_names",
+    "inspect_gguf",
 ]
 
 # Architectures Treadle trains and samples, each shown on a tiny random model in the tests
@@ -55,20 +55,6 @@ _ENCODER_SUFFIXES = (
     "Model",
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# What a tokenizer is made of on the hub: the files `/hf` serves for a registered model.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-    "config.json",
-)
 _MAX_HEADER = 100 * 2**20  # a safetensors header past this is not one
 
 
@@ -98,15 +84,7 @@ def inspect_folder(
     (encoder-only models included), a quantised checkpoint, no safetensors weights, a missing or
     malformed tokenizer, or a tokenizer larger than the embedding.
     """
-    folder = Path(folder)
-    if not folder.is_absolute():
-        raise ValidationError(f"path {str(folder)!r} is relative; give the folder's absolute path")
-    if not folder.is_dir() or not os.access(folder, os.R_OK | os.X_OK):
-        raise ValidationError(
-            f"{folder} is not a folder this API process can read; give the absolute path of a "
-            "Hugging Face model folder (config.json, tokenizer, *.safetensors) readable here "
-            "and on the workers"
-        )
+    folder = _readable_folder(Path(folder))
     config = _json_file(folder / "config.json", "config.json", required=True)
     assert config is not None  # required: a missing file raised
     architecture = _architecture(config)
@@ -132,10 +110,7 @@ def inspect_folder(
     eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None)
     moe = architecture in _MOE_ARCHITECTURES
     targets = _targets(options.lora_targets, moe)
-    if options.dtype not in DTYPES:
-        raise ValidationError(f"dtype {options.dtype!r} is unknown; use one of {list(DTYPES)}")
-    if not 1 <= options.max_lora_rank <= 1024:
-        raise ValidationError(f"max_lora_rank is {options.max_lora_rank}; it must be in [1, 1024]")
+    dtype, max_rank = _dtype(options), _rank(options)
     if options.max_context_length is not None:
         if not 1 <= options.max_context_length <= context:
             raise ValidationError(
@@ -157,8 +132,8 @@ def inspect_folder(
         revision=revision,
         architecture=architecture,
         model_type=str(config.get("model_type", "")),
-        dtype=options.dtype,
-        max_lora_rank=options.max_lora_rank,
+        dtype=dtype,
+        max_lora_rank=max_rank,
         lora_targets=targets,
         moe_experts=moe,
         tied_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings"))),
@@ -171,9 +146,97 @@ def inspect_folder(
     )
 
 
-def tokenizer_file_names(folder: Path) -> list[str]:
-    """The tokenizer files present in `folder`, in `TOKENIZER_FILES` order."""
-    return [name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+# GGUF's `general.architecture` -> the transformers class its conversion builds.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+
+def inspect_gguf(name: str, folder: Path, gguf_file: str, options: Options) -> BaseModelInfo:
+    """The registry entry for the GGUF file `gguf_file` in `folder`, called `name`: converted
+    once to float32 safetensors by each worker that loads it, its tokenizer built from the
+    file's own metadata. ValidationError for a file that is missing, not GGUF, of an
+    architecture transformers cannot convert, or with a tokenizer Treadle cannot build."""
+    folder = _readable_folder(Path(folder))
+    if "/" in gguf_file or gguf_file in ("", ".", ".."):
+        raise ValidationError(f"gguf_file {gguf_file!r} must be a file name inside the folder")
+    path = folder / gguf_file
+    if not path.is_file():
+        raise ValidationError(f"{folder} has no file {gguf_file!r}")
+    try:
+        metadata = gguf_metadata(path)
+    except Exception as exc:  # noqa: BLE001  # the reader raises many kinds on a bad file
+        raise ValidationError(f"{gguf_file} is not a readable GGUF file ({exc})") from None
+    arch = str(metadata.get("general.architecture"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValidationError(
+            f"{gguf_file} is a {arch!r} GGUF; Treadle converts {sorted(GGUF_ARCHITECTURES)}"
+        )
+    try:
+        tokenizer_from_gguf(metadata)
+    except (ValueError, KeyError) as exc:
+        raise ValidationError(f"{gguf_file}'s tokenizer cannot be converted: {exc}") from None
+    tokens = len(metadata["tokenizer.ggml.tokens"])
+    vocab = int(metadata.get(f"{arch}.vocab_size", tokens))
+    context = int(metadata.get(f"{arch}.context_length", 2048))
+    if options.max_context_length is not None:
+        if not 1 <= options.max_context_length <= context:
+            raise ValidationError(
+                f"max_context_length is {options.max_context_length}; it must be in [1, "
+                f"{context}] (the file's context length)"
+            )
+        context = options.max_context_length
+    parameters = int(metadata["parameters"])
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    return BaseModelInfo(
+        name=name,
+        kind="gguf",
+        max_context_length=context,
+        tokenizer_source=name,
+        vocab_size=vocab,
+        description=options.description
+        or f"{GGUF_ARCHITECTURES[arch]} ({_human(parameters)} parameters) from {path}",
+        gguf_file=gguf_file,
+        path=str(folder),
+        architecture=GGUF_ARCHITECTURES[arch],
+        model_type=arch,
+        dtype=_dtype(options),
+        max_lora_rank=_rank(options),
+        lora_targets=_targets(options.lora_targets, False),
+        eos_token_ids=() if eos is None else (int(eos),),
+        parameters=parameters,
+        size_bytes=4 * parameters,  # dequantised to float32 once, as the workers hold it
+        tokenizer_vocab_size=tokens,
+        has_chat_template=bool(metadata.get("tokenizer.chat_template")),
+    )
+
+
+def _readable_folder(folder: Path) -> Path:
+    if not folder.is_absolute():
+        raise ValidationError(f"path {str(folder)!r} is relative; give the folder's absolute path")
+    if not folder.is_dir() or not os.access(folder, os.R_OK | os.X_OK):
+        raise ValidationError(
+            f"{folder} is not a folder this API process can read; give the absolute path of a "
+            "Hugging Face model folder (config.json, tokenizer, *.safetensors) readable here "
+            "and on the workers"
+        )
+    return folder
+
+
+def _dtype(options: Options) -> str:
+    if options.dtype not in DTYPES:
+        raise ValidationError(f"dtype {options.dtype!r} is unknown; use one of {list(DTYPES)}")
+    return options.dtype
+
+
+def _rank(options: Options) -> int:
+    if not 1 <= options.max_lora_rank <= 1024:
+        raise ValidationError(f"max_lora_rank is {options.max_lora_rank}; it must be in [1, 1024]")
+    return options.max_lora_rank
 
 
 def _json_file(path: Path, what: str, *, required: bool = False) -> dict[str, Any] | None:

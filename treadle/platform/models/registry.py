@@ -80,11 +80,13 @@ def register(
     path: str | None = None,
     hub_id: str | None = None,
     revision: str | None = None,
+    gguf_file: str | None = None,
 ) -> RegisteredModel:
-    """Register base model `name` from a local folder (`path`) or a hub id at a pinned
-    `revision` found in this host's Hugging Face cache. Operator only; one transaction: the row
-    and its event, or nothing. Raises ValidationError for a bad name or folder (see
-    `model_files.inspect_folder`), AlreadyExistsError for a name already used."""
+    """Register base model `name` from a local folder (`path`; with `gguf_file`, that GGUF file
+    in it) or a hub id at a pinned `revision` found in this host's Hugging Face cache. Operator
+    only; one transaction: the row and its event, or nothing. Raises ValidationError for a bad
+    name or folder (see `model_files.inspect_folder` and `inspect_gguf`), AlreadyExistsError for
+    a name already used."""
     require_operator(principal, "registering base models")
     _check_name(name)
     if (path is None) == (hub_id is None):
@@ -99,7 +101,12 @@ def register(
         folder = Path(path)
     if _taken(conn, name):
         raise AlreadyExistsError(_taken_message(name))
-    info = model_files.inspect_folder(name, folder, options, hub_id=hub_id, revision=revision)
+    if gguf_file is not None:
+        if hub_id is not None:
+            raise ValidationError("gguf_file goes with path (a folder holding the file)")
+        info = model_files.inspect_gguf(name, folder, gguf_file, options)
+    else:
+        info = model_files.inspect_folder(name, folder, options, hub_id=hub_id, revision=revision)
     row = conn.execute(
         insert(base_models)
         .values(name=name, info=info.to_json(), created_by=principal.key_id)

@@ -1,15 +1,15 @@
-"""Tokenizer files of base models: a registered model's own, the built-ins' built once from the
-SmolLM2 GGUF and cached on disk.
+"""Tokenizer files of base models, and what a GGUF file's metadata says.
 
-A registered model (kind "hf") is served and loaded from its own folder (`model_files.
-TOKENIZER_FILES`: tokenizer.json or a SentencePiece tokenizer.model, tokenizer_config.json with
-its chat template, generation_config.json, config.json). For the built-ins, owns the on-disk
-tokenizer cache (`<cache_dir>/tokenizers/<safe name>.v<N>/`) and the
-conversion of a GGUF's byte-level BPE vocabulary into a Hugging Face fast tokenizer
-(tokenizer.json, tokenizer_config.json, chat_template.jinja), written as plain JSON from the
-GGUF's own metadata so the files do not depend on the installed transformers version (their
-GGUF converters disagree with each other). Clients load them with
-`AutoTokenizer.from_pretrained(folder)` or through the hub-compatible routes (`api/routes_hf`).
+A registered Hugging Face folder (kind "hf") is served and loaded from its own files
+(`TOKENIZER_FILES`: tokenizer.json or a SentencePiece tokenizer.model, tokenizer_config.json
+with its chat template, generation_config.json, config.json). A GGUF model's tokenizer (the
+built-ins' from the SmolLM2 GGUF, a registered GGUF's from its own file) is built once into the
+on-disk cache (`<cache_dir>/tokenizers/<safe name>.v<N>/`): the GGUF's byte-level BPE vocabulary
+converted into a Hugging Face fast tokenizer (tokenizer.json, tokenizer_config.json,
+chat_template.jinja), written as plain JSON from the file's own metadata (`gguf_metadata`) so
+the files do not depend on the installed transformers version (their GGUF converters disagree
+with each other). Clients load them with `AutoTokenizer.from_pretrained(folder)` or through the
+hub-compatible routes (`api/tinker/routes_hf`).
 Must not import torch or transformers at import time (the API process serves these files
 without them); `gguf` and transformers are imported lazily, when building and loading.
 """
@@ -24,17 +24,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from treadle.platform.models import model_files
-from treadle.platform.models.catalog import BaseModelInfo, get_base_model, smollm2_gguf_path
+from treadle.platform.models.catalog import BaseModelInfo, get_base_model, gguf_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "FORMAT_VERSION",
+    "TOKENIZER_FILES",
+    "gguf_metadata",
     "load_tokenizer",
     "safe_name",
     "tokenizer_dir",
+    "tokenizer_file_names",
     "tokenizer_files",
     "tokenizer_from_gguf",
 ]
@@ -60,6 +62,43 @@ _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
 }
 
 
+# What a tokenizer is made of on the hub: the files `/hf` serves for a registered model.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+)
+
+
+def tokenizer_file_names(folder: Path) -> list[str]:
+    """The tokenizer files present in `folder`, in `TOKENIZER_FILES` order."""
+    return [name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+
+
+def gguf_metadata(path: Path) -> dict[str, Any]:
+    """The `general.*`, `tokenizer.*` and `<architecture>.*` fields of the GGUF file at `path`
+    (arrays as lists), and its parameter count under "parameters"."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    fields = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if key.startswith(("general.", "tokenizer.", f"{arch}."))
+    }
+    fields["parameters"] = sum(int(t.n_elements) for t in reader.tensors)
+    return fields
+
+
 def safe_name(model_name: str) -> str:
     """A folder name for `model_name` ("HuggingFaceTB/SmolLM2" -> "HuggingFaceTB--SmolLM2")."""
     return model_name.replace("/", "--")
@@ -75,7 +114,7 @@ def tokenizer_dir(base_model: str | BaseModelInfo, cache_dir: Path) -> Path:
     source = info.tokenizer_source
     folder = Path(cache_dir) / "tokenizers" / f"{safe_name(source)}.v{FORMAT_VERSION}"
     if not (folder / "tokenizer.json").is_file():
-        _build(folder)
+        _build(folder, info)
     return folder
 
 
@@ -86,7 +125,7 @@ def tokenizer_files(base_model: str | BaseModelInfo, cache_dir: Path) -> dict[st
     """
     folder = tokenizer_dir(base_model, cache_dir)
     if isinstance(base_model, BaseModelInfo) and base_model.kind == "hf":
-        names = model_files.tokenizer_file_names(folder)
+        names = tokenizer_file_names(folder)
         return {name: (folder / name).read_bytes() for name in names}
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
@@ -180,7 +219,9 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> dict[str, bytes]:
         "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,  # decode(encode(text)) == text
-        "model_max_length": int(metadata.get("llama.context_length", 2048)),
+        "model_max_length": int(
+            metadata.get(f"{metadata.get('general.architecture', 'llama')}.context_length", 2048)
+        ),
     }
     files = {"tokenizer.json": _json_bytes(tokenizer_json, indent=None)}
     template = metadata.get("tokenizer.chat_template")
@@ -193,26 +234,14 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> dict[str, bytes]:
     return files
 
 
-def _gguf_metadata(path: Path) -> dict[str, Any]:
-    """The `tokenizer.*` and `llama.context_length` fields of the GGUF file at `path`."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    return {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if key.startswith("tokenizer.") or key == "llama.context_length"
-    }
-
-
 def _json_bytes(value: Any, indent: int | None) -> bytes:
     return (json.dumps(value, indent=indent, ensure_ascii=False) + "\n").encode()
 
 
-def _build(folder: Path) -> None:
-    """Convert the GGUF tokenizer into `folder`, atomically: racing processes each build in a
-    private temporary folder and the first rename wins."""
-    files = tokenizer_from_gguf(_gguf_metadata(smollm2_gguf_path()))
+def _build(folder: Path, info: BaseModelInfo) -> None:
+    """Convert `info`'s GGUF tokenizer into `folder`, atomically: racing processes each build
+    in a private temporary folder and the first rename wins."""
+    files = tokenizer_from_gguf(gguf_metadata(gguf_path(info)))
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
