@@ -35,19 +35,27 @@ def one_process(cache_dir: Path, **kwargs: Any) -> dict[str, Any]:
     return group_loop.run_loop(engine, **kwargs)
 
 
-def group_of_two(cache_dir: Path, out: Path, *extra: str) -> dict[str, Any]:
-    """The loop on a group of two ranks, each a process with torchrun's environment."""
+def run_ranks(
+    cache_dir: Path, out: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[list[int], str]:
+    """The loop on a group of two ranks, each a process with torchrun's environment: their
+    exit statuses and output."""
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+        rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "tests.unit.group_loop", str(cache_dir), str(out), *extra],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))  # fmt: skip
     logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-6000:]
+    return [p.returncode for p in procs], "\n".join(logs)
+
+
+def group_of_two(cache_dir: Path, out: Path, *extra: str) -> dict[str, Any]:
+    codes, logs = run_ranks(cache_dir, out, *extra)
+    assert codes == [0, 0], logs[-6000:]
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
@@ -76,3 +84,18 @@ def test_a_state_saved_by_the_group_loads_in_one_process_and_back(
     continued_by_group = group_of_two(cache_dir, tmp_path / "b.json", "load", str(saved_alone))
     assert continued_by_group["weight_hash"] == uninterrupted["weight_hash"]
     assert continued_by_group["steps"][-1]["state"] == uninterrupted["steps"][-1]["state"]
+
+
+def test_a_rank_whose_weights_drift_fails_the_group_instead_of_training_on(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 steps with twice the learning rate: the ranks' weight hashes differ after the
+    first optim_step, and every rank ends with the group-failed status (its launcher then ends
+    the group and the worker is started again) before any other operation runs."""
+    from treadle.gpu_worker.group import GROUP_FAILED_EXIT
+
+    out = tmp_path / "out.json"
+    codes, logs = run_ranks(cache_dir, out, env={"GROUP_LOOP_DRIFT": "1"})
+    assert codes == [GROUP_FAILED_EXIT, GROUP_FAILED_EXIT], logs[-6000:]
+    assert "disagree after optim_step" in logs
+    assert not out.exists()  # rank 0 never finished the loop

@@ -4,7 +4,10 @@ Rank 0 is the worker the platform sees (it consumes the session queues, holds th
 settles); its engine is a `GroupEngine`, which sends every call that changes an adapter to the
 other ranks (`broadcast_object_list` of the method and its arguments) before running it on its
 own engine, so every rank's engine sees the same calls in the same order. The other ranks run
-`follow`: receive a call, run it, until rank 0 closes the group or a collective times out.
+`follow`: receive a call, run it, until rank 0 closes the group or a collective times out. After
+each call every rank checks that all ended the same way (the same error or none; after a call
+that sets weights, the same weight hash): a rank that differs fails the group rather than train
+on other weights than rank 0 reports.
 
 Data parallel, exact: `forward_backward` splits a request into parts the same way at every world
 size (`losses.microbatches`), each rank computes the parts `Group.assign` gives it (balanced by
@@ -50,6 +53,8 @@ MIRRORED = frozenset(
         "load_snapshot",
     }
 )
+# Mirrored calls after which every rank's adapter weights are compared (by hash).
+_SETS_WEIGHTS = frozenset({"create_adapter", "set_adapter_weights", "optim_step", "import_adapter"})
 _CLOSE = "__close__"
 _PING = "__ping__"
 # A rank's exit status when its group failed (a rank died, a collective timed out): its
@@ -160,7 +165,10 @@ class GroupEngine:
                 if interrupt is not None:
                     interrupt()
                 _send(name, args, kwargs)
-                return attribute(*args, **kwargs)
+                result, error = _run(self.engine, name, args, kwargs)
+            if error is not None:
+                raise error
+            return result
 
         return mirrored
 
@@ -215,10 +223,39 @@ def follow(engine: Any) -> None:
             return
         if name == _PING:
             continue
-        try:
-            getattr(engine, name)(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001  # rank 0 raises the same and reports it
-            log.info("rank call %s failed as on rank 0: %s", name, exc)
+        _, error = _run(engine, name, args, kwargs)
+        if error is not None:  # the same as rank 0's (`_run` checked), which reports it
+            log.info("rank call %s failed as on rank 0: %s", name, error)
+
+
+def _run(
+    engine: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Exception | None]:
+    """Run a mirrored call on this rank's engine, then check with every rank that it ended the
+    same way: the same error or none, and for a call that sets an adapter's weights the same
+    weight hash. A rank that differs (a failure of its own, weights that drifted) would go on
+    training on other weights than rank 0 reports: the group fails instead, and the next one
+    rebuilds its sessions from the log."""
+    result: Any = None
+    error: Exception | None = None
+    try:
+        result = getattr(engine, name)(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001  # compared below, then raised on rank 0
+        error = exc
+    weights = None
+    if error is None and name in _SETS_WEIGHTS:
+        weights = engine.weight_hash(args[0] if args else kwargs["adapter_id"])
+    outcome = (type(error).__name__ if error is not None else None, weights)
+    every: list[Any] = [None] * dist.get_world_size()
+    _collective("all_gather_object", lambda: dist.all_gather_object(every, outcome))
+    if any(o != every[0] for o in every):
+        log.critical(
+            "the ranks of the worker group disagree after %s: %s; ending rank %d",
+            name, every, _rank(),
+        )  # fmt: skip
+        logging.shutdown()
+        os._exit(GROUP_FAILED_EXIT)
+    return result, error
 
 
 def leave() -> None:
