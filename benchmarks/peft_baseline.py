@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from treadle.gpu_worker.lora import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
+from treadle.gpu_worker.lora_targets import ATTN_SUFFIXES, MLP_SUFFIXES, UNEMBED_SUFFIXES
 from treadle.gpu_worker.models import load_base_model
 from treadle.platform.config import DEFAULT_CACHE_DIR
 from treadle.recipes.platform_process import LocalPlatform
@@ -41,7 +41,7 @@ class Baseline:
         config = LoraConfig(
             r=rank,
             lora_alpha=32,
-            target_modules=list(ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS),
+            target_modules=list(ATTN_SUFFIXES + MLP_SUFFIXES + UNEMBED_SUFFIXES),
             lora_dropout=0.0,
         )
         with warnings.catch_warnings():  # lm_head is tied to the embeddings; LoRA leaves both be

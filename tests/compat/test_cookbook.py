@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import json
 import math
-import os
 import secrets
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from tinker_cookbook import model_info, renderers, tokenizer_utils
 from tinker_cookbook.exceptions import ConfigurationError
 from tinker_cookbook.renderers.base import ParseTermination
 
+from tests.compat import users
 from tests.conftest import Platform, new_tenant_key
 from treadle import cookbook
 from treadle.client.admin import AdminClient
@@ -50,20 +50,12 @@ def run_recipe(
 ) -> subprocess.CompletedProcess[str]:
     """`python -m treadle.cookbook <module> <args>` as a user runs it: the tinker variables set,
     the hub switched off, caches in `tmp`; it must exit 0."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TINKER_", "TREADLE_"))
-    }
-    env.update(
-        TINKER_BASE_URL=platform.base_url,
-        TINKER_API_KEY=key,
-        TINKER_TELEMETRY="0",
+    env = users.user_env(
+        platform.base_url, key, tmp / "hf-home",
         TINKER_COOKBOOK_RUNS_DIR=str(tmp / "runs"),
         TREADLE_CACHE_DIR=str(tmp / "cache"),
-        HF_HOME=str(tmp / "hf-home"),
         HF_HUB_OFFLINE="1",  # no hub: tokenizers come from Treadle
-    )
+    )  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "treadle.cookbook", module, *args],
         env=env,

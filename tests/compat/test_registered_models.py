@@ -26,6 +26,7 @@ import torch
 from tinker import types
 
 from tests import architectures, tiny_models
+from tests.compat import users
 from tests.conftest import Platform
 from treadle.client.admin import AdminClient
 from treadle.client.checkpoints import CheckpointsClient
@@ -110,31 +111,6 @@ def ce_datum(tokens: list[int]) -> types.Datum:
 ADVANTAGE = 0.75
 
 
-def provenance_datum(sequence: types.SampledSequence) -> types.Datum:
-    """tinker-cookbook's datum of a prompt and its recorded completion (provenance spans)."""
-    sid, n_prompt, n_sampled = sequence.sequence_id, len(PROMPT), len(sequence.tokens)
-    assert sid is not None
-    full = PROMPT + list(sequence.tokens)
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": full[1:],
-            "logprobs": [0.0] * (len(full) - 1),
-            "advantages": [0.0] * (n_prompt - 1) + [ADVANTAGE] * n_sampled,
-        },
-    )
-    return datum.with_provenance(
-        model_input=[
-            types.PromptProvenanceSpan(sequence_id=sid, offset=0, length=n_prompt),
-            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled - 1),
-        ],
-        loss_fn_inputs=[
-            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n_prompt - 1),
-            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled),
-        ],
-    )
-
-
 def forward_logprobs(tc: tinker.TrainingClient, tokens: list[int]) -> np.ndarray:
     out = tc.forward([ce_datum(tokens)], "cross_entropy").result()
     return np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist(), dtype=np.float64)
@@ -176,7 +152,9 @@ def test_a_registered_model_trains_samples_saves_and_loads(
         np.testing.assert_allclose(np.asarray(seq.logprobs), scored, atol=TOL)
     # stable_reinforce over the recorded sample: on policy, each sampled token's weight is 1
     seq = sampled.sequences[0]
-    out = tc.forward_backward([provenance_datum(seq)], "stable_reinforce").result()
+    out = tc.forward_backward(
+        [users.provenance_datum(PROMPT, seq, ADVANTAGE)], "stable_reinforce"
+    ).result()
     lp = np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist(), np.float64)[len(PROMPT) - 1 :]
     assert out.metrics["loss:sum"] == pytest.approx(-ADVANTAGE * lp.sum(), rel=1e-3, abs=1e-4)
     prompt_scores = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()
@@ -309,17 +287,8 @@ for name, folder in pairs:
         bad.append([name, "chat template"])
 print(json.dumps(bad))
 """
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HF_", "HUGGINGFACE_", "TINKER_", "TREADLE_"))
-    }
-    env.update(
-        HF_ENDPOINT=f"{platform.base_url}/hf",
-        HF_HOME=str(tmp_path / "hf"),
-        TINKER_BASE_URL=platform.base_url,
-        TINKER_API_KEY=key,
-        TINKER_TELEMETRY="0",
+    env = users.user_env(
+        platform.base_url, key, tmp_path / "hf", HF_ENDPOINT=f"{platform.base_url}/hf"
     )
     pairs = [[names[a], str(folders[a])] for a in architectures.ARCHITECTURES]
     texts = tiny_models.corpus(300, seed=9) + ["  spaces\tand\nlines ", "ünïcödé 🚀", "12345"]
@@ -424,19 +393,10 @@ def test_a_cookbook_recipe_runs_unmodified_on_a_model_its_table_knows(
         for a in range(3) for b in range(3)
     ]  # fmt: skip
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TINKER_", "TREADLE_"))
-    }
-    env.update(
-        TINKER_BASE_URL=platform.base_url,
-        TINKER_API_KEY=key,
-        TINKER_TELEMETRY="0",
-        TINKER_COOKBOOK_RUNS_DIR=str(tmp_path / "runs"),
-        HF_ENDPOINT=f"{platform.base_url}/hf",
-        HF_HOME=str(tmp_path / "hf-home"),
-    )
+    env = users.user_env(
+        platform.base_url, key, tmp_path / "hf-home",
+        TINKER_COOKBOOK_RUNS_DIR=str(tmp_path / "runs"), HF_ENDPOINT=f"{platform.base_url}/hf",
+    )  # fmt: skip
     log = tmp_path / "sft"
     done = subprocess.run(
         [sys.executable, "-m", "tinker_cookbook.recipes.chat_sl.train", f"dataset={data}",

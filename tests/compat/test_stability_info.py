@@ -18,6 +18,7 @@ import sqlalchemy as sa
 import tinker
 from tinker import types
 
+from tests.compat import users
 from tests.conftest import Platform, new_tenant_key
 from tests.served_app import replica
 from treadle.platform import db
@@ -60,31 +61,9 @@ def sampled(sampler: tinker.SamplingClient, seed: int) -> types.SampledSequence:
 def provenance_datum(
     sequence: types.SampledSequence, *, client_logprobs: float = 0.0, tamper: bool = False
 ) -> types.Datum:
-    """The cookbook's datum of one prompt + completion: inputs drop the last token, targets
-    the first; prompt targets have advantage 0, sampled ones ADVANTAGE."""
-    sid, n_prompt, n_sampled = sequence.sequence_id, len(PROMPT), len(sequence.tokens)
-    assert sid is not None
-    full = PROMPT + list(sequence.tokens)
-    if tamper:
-        full[-2] = (full[-2] + 1) % 200
-    targets = full[1:]
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": targets,
-            "logprobs": [client_logprobs] * len(targets),
-            "advantages": [0.0] * (n_prompt - 1) + [ADVANTAGE] * n_sampled,
-        },
-    )
-    return datum.with_provenance(
-        model_input=[
-            types.PromptProvenanceSpan(sequence_id=sid, offset=0, length=n_prompt),
-            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled - 1),
-        ],
-        loss_fn_inputs=[
-            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n_prompt - 1),
-            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled),
-        ],
+    """The cookbook's datum of PROMPT + `sequence`, sampled targets with ADVANTAGE."""
+    return users.provenance_datum(
+        PROMPT, sequence, ADVANTAGE, client_logprobs=client_logprobs, tamper=tamper
     )
 
 

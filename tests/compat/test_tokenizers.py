@@ -7,7 +7,6 @@ exceptions they expect; get_info names the real tokenizer repo."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.compat import users
 from tests.conftest import Platform, new_tenant_key
 from tests.secure_app import SecureApp
 from treadle.platform.models import catalog
@@ -35,19 +35,7 @@ def key(platform: Platform) -> str:
 def hub_env(platform: Platform, key: str, hf_home: Path) -> dict[str, str]:
     """The environment of a user's process pointed at Treadle: the tinker variables, HF_ENDPOINT,
     and a fresh HF_HOME so no tokenizer cached elsewhere can be used."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TINKER_"))
-    }
-    env.update(
-        TINKER_BASE_URL=platform.base_url,
-        TINKER_API_KEY=key,
-        TINKER_TELEMETRY="0",
-        HF_ENDPOINT=f"{platform.base_url}/hf",
-        HF_HOME=str(hf_home),
-    )
-    return env
+    return users.user_env(platform.base_url, key, hf_home, HF_ENDPOINT=f"{platform.base_url}/hf")
 
 
 def run_python(code: str, env: dict[str, str], timeout: float = 300) -> Any:

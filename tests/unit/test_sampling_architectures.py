@@ -165,3 +165,48 @@ def test_a_model_with_other_attention_layers_is_refused() -> None:
     model.config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValidationError, match="linear_attention"):
         DecodeBatch(model, LoraHost(model), eos_token_id=None, decode=_decode)
+
+
+def test_a_sample_alone_equals_it_among_other_architectures_requests_on_one_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """One worker's engine hosting all eight registered architectures: each request sampled
+    alone returns the tokens and logprobs it returns inside one `sample_batch` with the other
+    architectures' requests and another request on its own base (one adapted by a snapshot,
+    one on the base alone, of different prompt lengths)."""
+    from tests import tiny_models
+    from treadle.gpu_worker.batching import SampleRequest
+    from treadle.gpu_worker.engine import Engine
+    from treadle.platform.models import model_files
+
+    root = tmp_path_factory.mktemp("registered")
+    infos = {
+        f"t/{arch}": model_files.inspect_folder(
+            f"t/{arch}", tiny_models.model_folder(arch, root / arch), model_files.Options()
+        )
+        for arch in ARCHITECTURES
+    }
+    engine = Engine(cache_dir=root / "cache", device="cpu", models=infos.__getitem__)
+    requests = []
+    for i, (name, info) in enumerate(infos.items()):
+        spec = LoraSpec(rank=4, alpha=8, seed=i, train_mlp="mlp" in info.lora_targets)
+        engine.create_adapter(name, name, spec)
+        engine.set_adapter_weights(
+            name,
+            {
+                k: np.random.default_rng(i).normal(0, 0.1, v.shape).astype(np.float32)
+                for k, v in engine.adapter_weights(name).items()
+            },
+        )
+        engine.snapshot(name, f"{name}:snap")
+        for j, snapshot in enumerate((f"{name}:snap", None)):  # adapted, and the base alone
+            params = SamplingSpec(max_tokens=10, temperature=1.0, seed=20 + 2 * i + j)
+            prompt = list(range(3 + i, 20 + 2 * i + 5 * j))  # lengths differ: left padding
+            requests.append(SampleRequest(name, snapshot, prompt, 2, params))
+    alone = [engine.sample_batch([r])[0] for r in requests]
+    together = engine.sample_batch(requests)
+    for request, a, b in zip(requests, alone, together, strict=True):
+        assert isinstance(a, SampleResult) and isinstance(b, SampleResult), (a, b)
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences], request
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)

@@ -11,6 +11,7 @@ celery or treadle.api.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +27,7 @@ __all__ = ["HEADROOM", "Capacity", "device_memory"]
 HEADROOM = 1.1  # the weights plus a tenth for what each session adds
 
 
+@functools.cache
 def device_memory(device: torch.device) -> int:
     """Total bytes of `device`'s memory: the GPU's, or the host's RAM on the CPU."""
     if device.type == "cuda":

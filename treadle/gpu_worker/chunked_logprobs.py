@@ -18,7 +18,6 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -33,6 +32,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
 )
+
+from treadle.gpu_worker.capacity import device_memory
 
 __all__ = [
     "ACTIVATION_VALUES_PER_HIDDEN",
@@ -154,15 +155,8 @@ def wants_checkpointing(model: PreTrainedModel, tokens: int) -> bool:
     config = model.config.get_text_config()
     first = next(model.parameters())
     kept = ACTIVATION_VALUES_PER_HIDDEN * config.hidden_size * config.num_hidden_layers
-    return tokens * kept * first.element_size() > CHECKPOINT_ABOVE_FRACTION * _memory(first.device)
-
-
-@functools.cache
-def _memory(device: torch.device) -> int:
-    """Total bytes of `device`'s memory: the GPU's, or the host's RAM."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return int(psutil.virtual_memory().total)
+    budget = CHECKPOINT_ABOVE_FRACTION * device_memory(first.device)
+    return tokens * kept * first.element_size() > budget
 
 
 @contextlib.contextmanager

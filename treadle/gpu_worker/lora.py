@@ -27,18 +27,12 @@ from torch import nn
 
 from treadle.gpu_worker import cpu_linear
 from treadle.gpu_worker.lora_targets import (
-    ATTN_SUFFIXES,
-    MLP_SUFFIXES,
-    UNEMBED_SUFFIXES,
     LoraTargets,
     resolve,
 )
 from treadle.platform.errors import ValidationError
 
 __all__ = [
-    "ATTN_TARGETS",
-    "MLP_TARGETS",
-    "UNEMBED_TARGETS",
     "AdamSpec",
     "LoraHost",
     "LoraLinear",
@@ -47,11 +41,6 @@ __all__ = [
     "RowAdapters",
     "TrainableLora",
 ]
-
-# Every module-name suffix of each category in the standard layouts (lora_targets owns them).
-ATTN_TARGETS = ATTN_SUFFIXES
-MLP_TARGETS = MLP_SUFFIXES
-UNEMBED_TARGETS = UNEMBED_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -62,15 +51,6 @@ class LoraSpec:
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
-
-    def targets(self) -> tuple[str, ...]:
-        """The standard module-name suffixes this adapter may train; which modules it really
-        trains depends on the model (`LoraHost.targets.for_spec`)."""
-        return (
-            (ATTN_TARGETS if self.train_attn else ())
-            + (MLP_TARGETS if self.train_mlp else ())
-            + (UNEMBED_TARGETS if self.train_unembed else ())
-        )
 
 
 @dataclass

@@ -22,11 +22,9 @@ import sys
 import torch
 
 from treadle.gpu_worker import group as worker_group
-from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.runtime import run_worker
+from treadle.gpu_worker.runtime import new_engine, run_worker
 from treadle.platform import db
 from treadle.platform.config import PlatformConfig
-from treadle.platform.models import registry
 
 __all__ = ["is_rank", "launch", "run_follower", "run_rank"]
 
@@ -71,17 +69,13 @@ def run_follower(config: PlatformConfig, worker_id: str, group: worker_group.Gro
     """A rank other than 0: an engine of its own (its own spill folder), running what rank 0
     sends until it closes the group."""
     database = db.connect(config.database_url, pool_size=1)
-    engine = Engine(
-        cache_dir=config.cache_dir,
-        device=_device(config, group),
-        max_loaded_adapters=config.max_loaded_adapters or None,
-        max_loaded_snapshots=config.max_loaded_snapshots or None,
+    engine = new_engine(
+        config,
+        database,
         spill_dir=config.spill_dir(f"{worker_id}.rank{group.rank}"),
-        pack_cpu_weights=False,  # followers never sample
-        activation_checkpointing=config.activation_checkpointing,
-        models=registry.ModelRegistry(database).get,
         group=group,
-        microbatch_tokens=config.microbatch_tokens or None,
+        device=_device(config, group),
+        pack_cpu_weights=False,  # followers never sample
     )
     log.info("%s: rank %d of %d following rank 0", worker_id, group.rank, group.world_size)
     try:

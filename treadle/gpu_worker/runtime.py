@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import redis
+import sqlalchemy as sa
 from celery import Celery
 from celery.signals import after_setup_task_logger, worker_ready, worker_shutting_down
 
@@ -168,6 +170,31 @@ class LeaseKeeper(threading.Thread):
         routing.wake(self.app, session_id, request_id)
 
 
+def new_engine(
+    config: PlatformConfig,
+    database: sa.Engine,
+    *,
+    spill_dir: Path,
+    group: worker_group.Group | None = None,
+    device: str | None = None,
+    pack_cpu_weights: bool | None = None,
+) -> Engine:
+    """The engine of a worker (or of one rank of a group) as `config` says, reading registered
+    models through `database`; `device` and `pack_cpu_weights` override the configured ones."""
+    return Engine(
+        cache_dir=config.cache_dir,
+        device=device or config.device,
+        max_loaded_adapters=config.max_loaded_adapters or None,  # 0: no limit
+        max_loaded_snapshots=config.max_loaded_snapshots or None,
+        spill_dir=spill_dir,
+        pack_cpu_weights=config.pack_cpu_weights if pack_cpu_weights is None else pack_cpu_weights,
+        activation_checkpointing=config.activation_checkpointing,
+        models=registry.ModelRegistry(database).get,
+        group=group,
+        microbatch_tokens=config.microbatch_tokens or None,
+    )
+
+
 def run_worker(
     config: PlatformConfig,
     worker_id: str,
@@ -179,17 +206,8 @@ def run_worker(
     other ranks follow its engine (`gpu_worker/ranks.py`)."""
     heap.keep_freed_pages()
     database = db.connect(config.database_url, pool_size=4)
-    engine: Engine | worker_group.GroupEngine = Engine(
-        cache_dir=config.cache_dir,
-        device=config.device,
-        max_loaded_adapters=config.max_loaded_adapters or None,  # 0: no limit
-        max_loaded_snapshots=config.max_loaded_snapshots or None,
-        spill_dir=config.spill_dir(worker_id),
-        pack_cpu_weights=config.pack_cpu_weights,
-        activation_checkpointing=config.activation_checkpointing,
-        models=registry.ModelRegistry(database).get,
-        group=group,
-        microbatch_tokens=config.microbatch_tokens or None,
+    engine: Engine | worker_group.GroupEngine = new_engine(
+        config, database, spill_dir=config.spill_dir(worker_id), group=group
     )
     if group is not None:
         engine = worker_group.GroupEngine(engine, group)

@@ -111,13 +111,7 @@ def inspect_folder(
     moe = architecture in _MOE_ARCHITECTURES
     targets = _targets(options.lora_targets, moe)
     dtype, max_rank = _dtype(options), _rank(options)
-    if options.max_context_length is not None:
-        if not 1 <= options.max_context_length <= context:
-            raise ValidationError(
-                f"max_context_length is {options.max_context_length}; it must be in [1, "
-                f"{context}] (config.json's max_position_embeddings)"
-            )
-        context = options.max_context_length
+    context = _context(options, context, "config.json's max_position_embeddings")
     sliding = text.get("sliding_window")
     return BaseModelInfo(
         name=name,
@@ -183,13 +177,7 @@ def inspect_gguf(name: str, folder: Path, gguf_file: str, options: Options) -> B
     tokens = len(metadata["tokenizer.ggml.tokens"])
     vocab = int(metadata.get(f"{arch}.vocab_size", tokens))
     context = int(metadata.get(f"{arch}.context_length", 2048))
-    if options.max_context_length is not None:
-        if not 1 <= options.max_context_length <= context:
-            raise ValidationError(
-                f"max_context_length is {options.max_context_length}; it must be in [1, "
-                f"{context}] (the file's context length)"
-            )
-        context = options.max_context_length
+    context = _context(options, context, "the file's context length")
     parameters = int(metadata["parameters"])
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     return BaseModelInfo(
@@ -225,6 +213,18 @@ def _readable_folder(folder: Path) -> Path:
             "and on the workers"
         )
     return folder
+
+
+def _context(options: Options, context: int, source: str) -> int:
+    """The operator's max_context_length, within the model's own (`source` says where from)."""
+    wanted = options.max_context_length
+    if wanted is None:
+        return context
+    if not 1 <= wanted <= context:
+        raise ValidationError(
+            f"max_context_length is {wanted}; it must be in [1, {context}] ({source})"
+        )
+    return wanted
 
 
 def _dtype(options: Options) -> str:

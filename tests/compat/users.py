@@ -1,0 +1,63 @@
+"""What the compat tests' user processes and loops share: a user's environment pointed at a
+Treadle (`user_env`), and tinker-cookbook's RL datum of a recorded sample (`provenance_datum`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tinker import types
+
+
+def user_env(base_url: str, key: str, hf_home: Path, **extra: str) -> dict[str, str]:
+    """A user's environment for a tinker SDK or hub client process: this process's, less
+    every HF_, HUGGINGFACE_, TRANSFORMERS_, TINKER_ and TREADLE_ setting, then the tinker
+    variables for `base_url` and `key` (telemetry off), a fresh HF_HOME (nothing cached
+    elsewhere is used) and `extra`."""
+    prefixes = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TINKER_", "TREADLE_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env.update(
+        TINKER_BASE_URL=base_url,
+        TINKER_API_KEY=key,
+        TINKER_TELEMETRY="0",
+        HF_HOME=str(hf_home),
+        **extra,
+    )
+    return env
+
+
+def provenance_datum(
+    prompt: list[int],
+    sequence: types.SampledSequence,
+    advantage: float,
+    *,
+    client_logprobs: float = 0.0,
+    tamper: bool = False,
+) -> types.Datum:
+    """The cookbook's datum of one prompt + recorded completion: inputs drop the last token,
+    targets the first; prompt targets have advantage 0, sampled ones `advantage`; provenance
+    spans name the recorded sequence. `tamper` alters one sampled token."""
+    sid, n_prompt, n_sampled = sequence.sequence_id, len(prompt), len(sequence.tokens)
+    assert sid is not None
+    full = prompt + list(sequence.tokens)
+    if tamper:
+        full[-2] = (full[-2] + 1) % 200
+    targets = full[1:]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": targets,
+            "logprobs": [client_logprobs] * len(targets),
+            "advantages": [0.0] * (n_prompt - 1) + [advantage] * n_sampled,
+        },
+    )
+    return datum.with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=sid, offset=0, length=n_prompt),
+            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n_prompt - 1),
+            types.SampledProvenanceSpan(sequence_id=sid, offset=0, length=n_sampled),
+        ],
+    )
