@@ -1,10 +1,13 @@
-"""Sessions on a worker group (`treadle up --devices 2`: one worker, two gloo ranks, requests
-split into parts across them), through the plain tinker SDK: a fixed loop of cross_entropy and
-ppo with optimizer steps ends with the per-datum logprobs and losses, and the adapter and Adam
-state hashes the platform recorded, equal bit for bit to one process running the same loop
-(the engine in this test's process, the same part size). `kill -9` of rank 1 between
-operations, and of rank 0: the loop finishes with no client error and the same hashes; no rank
-process is left behind. `treadle status` shows the group."""
+"""Sessions on a worker group (`treadle up --devices 2`: one worker, two gloo ranks), in both
+layouts: replicated (requests split into parts across the ranks, sample requests decoded by one
+rank each) and sharded (each decoder layer's weights split across the ranks with FSDP2). Through
+the plain tinker SDK, a fixed loop of cross_entropy and ppo with optimizer steps, then samples
+and a saved state, ends with the per-datum logprobs and losses, and the adapter and Adam state
+hashes the platform recorded, equal bit for bit to one process running the same loop (the
+engine in this test's process, the same part size), and the same sampled tokens. `kill -9` of
+rank 1 during forward_backward, and of rank 0 during optim_step: the loop finishes with no
+client error and the same hashes; no rank process is left behind. `treadle status` shows the
+group."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from tinker import types
 from tests.fault.conftest import Up, start_up, wait_for
 from tests.unit.engine_support import shared_cache_dir
 from treadle.client.admin import AdminClient
-from treadle.gpu_worker.engine import AdamSpec, Engine, EngineDatum, LoraSpec
+from treadle.gpu_worker.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
 from treadle.platform.eventlog.schema import operations, usage
 from treadle.platform.models.catalog import TINY_DEBUG_NAME
 
@@ -38,11 +41,18 @@ LR = 1e-2
 SEED = 5
 RANK = 4
 LENGTHS = (40, 9, 33, 17, 60, 25)  # four parts of at most 96 padded tokens
+PROMPTS = ((5, 6, 7, 8), (9, 10, 11))  # sampled together: a rank each when replicated
+SAMPLES = 3
+MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def group_up() -> Iterator[Up]:
-    env = {"TREADLE_MICROBATCH_TOKENS": str(PART_TOKENS), "TREADLE_GROUP_TIMEOUT_SECONDS": "30"}
+@pytest.fixture(scope="module", params=["replicated", "sharded"])
+def group_up(request: pytest.FixtureRequest) -> Iterator[Up]:
+    env = {
+        "TREADLE_MICROBATCH_TOKENS": str(PART_TOKENS),
+        "TREADLE_GROUP_TIMEOUT_SECONDS": "30",
+        "TREADLE_GROUP_LAYOUT": request.param,
+    }
     with start_up(workers=1, devices=2, env=env) as up:
         yield up
 
@@ -64,8 +74,9 @@ def data_of(step: int) -> tuple[str, list[dict[str, Any]]]:
     return loss, out
 
 
-def one_process(cache_dir: Path) -> list[dict[str, Any]]:
-    """The loop on an engine in this process: per step, the outputs and the hashes."""
+def one_process(cache_dir: Path) -> dict[str, Any]:
+    """The loop on an engine in this process: per step, the outputs and the hashes; then each
+    prompt's samples."""
     engine = Engine(cache_dir=cache_dir, device="cpu", microbatch_tokens=PART_TOKENS)
     engine.create_adapter("a", TINY_DEBUG_NAME, LoraSpec(rank=RANK, alpha=32.0, seed=SEED))
     steps = []
@@ -90,12 +101,21 @@ def one_process(cache_dir: Path) -> list[dict[str, Any]]:
                 "state": engine.state_hashes("a"),
             }
         )
-    return steps
+    engine.snapshot("a", "final")
+    samples = []
+    for prompt in PROMPTS:
+        spec = SamplingSpec(max_tokens=MAX_TOKENS, seed=SEED)
+        result = engine.sample(TINY_DEBUG_NAME, "final", prompt, SAMPLES, spec)
+        samples.append([[s.tokens, s.logprobs] for s in result.sequences])
+    return {"steps": steps, "samples": samples}
 
 
-def sdk_loop(up: Up, key: str, during: Any = None) -> tuple[str, list[dict[str, Any]]]:
+def sdk_loop(
+    up: Up, key: str, during: Any = None
+) -> tuple[str, list[dict[str, Any]], list[list[Any]]]:
     """The loop through the tinker SDK; `during(step, op)` runs right after each
-    forward_backward and optim_step is sent, before its result is awaited."""
+    forward_backward and optim_step is sent, before its result is awaited. Then the prompts
+    sampled together from the trained weights, and the state saved."""
     service = tinker.ServiceClient(base_url=up.base_url, api_key=key)
     try:
         tc = service.create_lora_training_client(TINY_DEBUG_NAME, rank=RANK, seed=SEED).result()
@@ -123,7 +143,14 @@ def sdk_loop(up: Up, key: str, during: Any = None) -> tuple[str, list[dict[str, 
                     "losses": [o["elementwise_loss"].tolist() for o in out.loss_fn_outputs],
                 }
             )
-        return tc.model_id, steps
+        sampler = tc.save_weights_and_get_sampling_client()
+        params = types.SamplingParams(max_tokens=MAX_TOKENS, seed=SEED)
+        futures = [
+            sampler.sample(types.ModelInput.from_ints(list(p)), SAMPLES, params) for p in PROMPTS
+        ]
+        samples = [[[s.tokens, s.logprobs] for s in f.result().sequences] for f in futures]
+        tc.save_state("end").result()
+        return tc.model_id, steps, samples
     finally:
         service.close("success").result()
 
@@ -140,7 +167,7 @@ def recorded_states(up: Up, model_id: str) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def expected(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return one_process(shared_cache_dir(tmp_path_factory))
 
 
@@ -176,23 +203,30 @@ def rank_pids() -> dict[int, int]:
 
 
 def check_same(
-    expected: list[dict[str, Any]], steps: list[dict[str, Any]], states: list[dict[str, str]]
+    expected: dict[str, Any],
+    steps: list[dict[str, Any]],
+    states: list[dict[str, str]],
+    samples: list[list[Any]],
 ) -> None:
     assert len(steps) == len(states) == STEPS
-    for step, (want, got, state) in enumerate(zip(expected, steps, states, strict=True)):
+    for step, (want, got, state) in enumerate(zip(expected["steps"], steps, states, strict=True)):
         assert got["logprobs"] == want["logprobs"], f"step {step}"
         assert got["losses"] == want["losses"], f"step {step}"
         assert state == want["state"], f"step {step}"
+    for want_p, got_p in zip(expected["samples"], samples, strict=True):
+        assert [s[0] for s in got_p] == [s[0] for s in want_p]  # the same seed, the same tokens
+        for (_, want_lp), (_, got_lp) in zip(want_p, got_p, strict=True):
+            np.testing.assert_allclose(got_lp, want_lp, rtol=0, atol=1e-5)
 
 
 def test_a_session_on_a_group_of_two_equals_one_process_bit_for_bit(
-    group_up: Up, key: str, expected: list[dict[str, Any]]
+    group_up: Up, key: str, expected: dict[str, Any]
 ) -> None:
-    model_id, steps = sdk_loop(group_up, key)
-    check_same(expected, steps, recorded_states(group_up, model_id))
+    model_id, steps, samples = sdk_loop(group_up, key)
+    check_same(expected, steps, recorded_states(group_up, model_id), samples)
 
 
-def test_status_shows_the_group(group_up: Up) -> None:
+def test_status_shows_the_group(group_up: Up, request: pytest.FixtureRequest) -> None:
     env = {
         **os.environ,
         "TREADLE_BASE_URL": group_up.base_url,
@@ -205,11 +239,12 @@ def test_status_shows_the_group(group_up: Up) -> None:
     assert done.returncode == 0, done.stderr
     (worker,) = [w for w in json.loads(done.stdout)["workers"] if w["is_alive"]]
     assert worker["world_size"] == 2
+    assert worker["layout"] == request.node.callspec.params["group_up"]
 
 
 @pytest.mark.parametrize(("rank", "op"), [(1, "forward_backward"), (0, "optim_step")])
 def test_kill_9_of_a_rank_ends_the_group_and_the_loop_goes_on_to_the_same_weights(
-    group_up: Up, key: str, expected: list[dict[str, Any]], rank: int, op: str
+    group_up: Up, key: str, expected: dict[str, Any], rank: int, op: str
 ) -> None:
     wait_for(lambda: sorted(rank_pids()) == [0, 1], 60, "a group of two ranks")
     before = rank_pids()
@@ -218,8 +253,8 @@ def test_kill_9_of_a_rank_ends_the_group_and_the_loop_goes_on_to_the_same_weight
         if (step, sent) == (2, op):
             os.kill(before[rank], signal.SIGKILL)
 
-    model_id, steps = sdk_loop(group_up, key, during=kill)
-    check_same(expected, steps, recorded_states(group_up, model_id))
+    model_id, steps, samples = sdk_loop(group_up, key, during=kill)
+    check_same(expected, steps, recorded_states(group_up, model_id), samples)
     # a new group, and nothing of the old one left
     wait_for(lambda: sorted(rank_pids()) == [0, 1], 60, "a new group of two ranks")
     after = rank_pids()
@@ -232,11 +267,11 @@ def test_kill_9_of_a_rank_ends_the_group_and_the_loop_goes_on_to_the_same_weight
 
 
 def test_replay_and_fork_of_a_group_session_are_verified_and_it_is_metered_once(
-    group_up: Up, key: str, expected: list[dict[str, Any]]
+    group_up: Up, key: str, expected: dict[str, Any]
 ) -> None:
     import treadle
 
-    model_id, _ = sdk_loop(group_up, key)
+    model_id, _, _ = sdk_loop(group_up, key)
     svc = treadle.ServiceClient(base_url=group_up.base_url, api_key=key)
     try:
         report = svc.replay(model_id).report

@@ -101,7 +101,7 @@ def test_the_cli_prints_tables_and_its_json_parses(platform: Platform) -> None:
     lines = table.stdout.splitlines()
     assert lines[0].startswith("Workers: ") and "alive of" in lines[0]
     assert lines[1].split() == [
-        "worker", "heartbeat_age", "alive", "sessions", "queued", "ranks", "metrics_url"
+        "worker", "heartbeat_age", "alive", "sessions", "queued", "ranks", "layout", "metrics_url"
     ]  # fmt: skip
     for worker_id in _platform_workers(platform):
         row = next(line for line in lines if line.startswith(worker_id))
@@ -207,6 +207,7 @@ def test_status_shows_pending_operations_the_oldest_and_each_workers_queue(
         "metrics_url": METRICS_URL,
         "device": None,  # the fake worker's heartbeat does not say
         "world_size": 1,
+        "layout": None,  # one process, not a group
     }
     assert workers[FAKE_WORKER]["heartbeat_age_seconds"] < 60
     gone = workers["worker-gone"]

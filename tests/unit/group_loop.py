@@ -1,9 +1,10 @@
-"""One fixed training loop run on an engine, at any world size: what tests/unit/
+"""One fixed training loop run on an engine, at any world size and layout: what tests/unit/
 test_worker_group.py compares. Run as a module, it is one rank of a worker group (torchrun's
-environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): rank 0 drives the loop through a
-`GroupEngine` and writes the result as JSON, the others follow.
+environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; GROUP_LOOP_LAYOUT replicated or
+sharded): rank 0 drives the loop through a `GroupEngine` and writes the result as JSON, the
+others follow.
 
-    python -m tests.unit.group_loop CACHE_DIR OUT.json [LOAD_FOLDER]
+    python -m tests.unit.group_loop CACHE_DIR OUT.json [save|load FOLDER]
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from treadle.gpu_worker.engine import AdamSpec, Engine, EngineDatum, LoraSpec  # noqa: E402
+from treadle.gpu_worker.engine import (  # noqa: E402
+    AdamSpec,
+    Engine,
+    EngineDatum,
+    LoraSpec,
+    SampleRequest,
+    SamplingSpec,
+)
 from treadle.platform.models.catalog import TINY_DEBUG_NAME  # noqa: E402
 
 MICROBATCH_TOKENS = 96  # small parts, so a request splits across ranks
@@ -40,16 +48,55 @@ def datum(seed: int, n: int, rl: bool) -> EngineDatum:
     return EngineDatum(tokens=tuple(int(t) for t in tokens[:-1]), loss_fn_inputs=inputs)
 
 
+class StopAt:
+    """A request's interrupt that stops it at its `n`th decoding step (as a client's cancel)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls >= self.n:
+            raise RuntimeError(f"stopped at step {self.n}")
+
+
+def sample_some(engine: Any, snapshot_id: str | None) -> list[Any]:
+    """Four seeded requests in one batch (a rank each, in a group), one stopped at its third
+    step: each one's tokens and logprobs, or its error."""
+    requests = [
+        SampleRequest(
+            TINY_DEBUG_NAME,
+            snapshot_id,
+            prompt,
+            n,
+            SamplingSpec(max_tokens=6, seed=seed, stop=()),
+            interrupt=StopAt(3) if seed == 4 else None,
+        )
+        for seed, (prompt, n) in enumerate(
+            [((5, 6, 7, 8), 2), ((9, 10), 1), ((11, 12, 13), 3), ((14,) * 7, 2), ((3, 2), 1)]
+        )
+    ]
+    out: list[Any] = []
+    for result in engine.sample_batch(requests):
+        if isinstance(result, Exception):
+            out.append(str(result))
+        else:
+            out.append([[s.tokens, s.logprobs] for s in result.sequences])
+    return out
+
+
 def run_loop(engine: Any, load: Path | None = None, save: Path | None = None) -> dict[str, Any]:
     """Ten steps of cross_entropy and ppo on six data of mixed lengths, an optimizer step each;
-    every step's per-datum logprobs and losses and the state hashes after it. With `load`, the
-    adapter starts from that export (weights and Adam state); with `save`, it is exported after
-    five steps."""
+    every step's per-datum logprobs and losses and the state hashes after it, and every third
+    step samples from a snapshot of the adapter (and once from the base model alone). With
+    `load`, the adapter starts from that export (weights and Adam state); with `save`, it is
+    exported after five steps."""
     if load is None:
         engine.create_adapter("a", TINY_DEBUG_NAME, LORA)
     else:
         engine.import_adapter("a", TINY_DEBUG_NAME, load, with_optimizer=True)
     steps = []
+    samples = [sample_some(engine, None)]
     first = 0 if load is None else STEPS // 2
     for step in range(first, STEPS):
         loss = "ppo" if step % 3 == 2 else "cross_entropy"
@@ -67,36 +114,65 @@ def run_loop(engine: Any, load: Path | None = None, save: Path | None = None) ->
                 "state": engine.state_hashes("a"),
             }
         )
+        if step % 3 == 0:
+            engine.snapshot("a", f"s{step}")
+            samples.append(sample_some(engine, f"s{step}"))
         if save is not None and step == STEPS // 2 - 1:
             engine.export_adapter("a", save, with_optimizer=True)
-    return {"steps": steps, "weight_hash": engine.weight_hash("a")}
+    return {"steps": steps, "samples": samples, "weight_hash": engine.weight_hash("a")}
+
+
+def broken_sampling(engine: Any) -> dict[str, Any]:
+    """Sample while rank 1 cannot (its engine fails to open a batch), then train a step: what
+    the batch raised, and whether the group went on."""
+    engine.create_adapter("a", TINY_DEBUG_NAME, LORA)
+    try:
+        sample_some(engine, None)
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    engine.forward_backward("a", [datum(1, 40, False)], "cross_entropy")
+    engine.optim_step("a", ADAM)
+    return {"error": error, "weight_hash": engine.weight_hash("a")}
 
 
 def main() -> None:
     from treadle.gpu_worker import group as worker_group
+    from treadle.gpu_worker.group_engine import GroupEngine, follow
 
     cache_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     mode, folder = (sys.argv[3], Path(sys.argv[4])) if len(sys.argv) > 4 else ("", None)
-    g = worker_group.init_from_env(timeout_seconds=120, device="cpu")
+    layout = os.environ.get("GROUP_LOOP_LAYOUT", "replicated")
+    g = worker_group.init_from_env(timeout_seconds=120, device="cpu", layout=layout)
     engine = Engine(cache_dir=cache_dir, device="cpu", group=g, microbatch_tokens=MICROBATCH_TOKENS)
     if g.rank == 1 and os.environ.get("GROUP_LOOP_DRIFT"):  # a rank whose steps go elsewhere
         step = engine.optim_step
         engine.optim_step = lambda adapter_id, adam: step(  # type: ignore[method-assign]
             adapter_id, dataclasses.replace(adam, learning_rate=2 * adam.learning_rate)
         )
+    broken = bool(os.environ.get("GROUP_LOOP_BREAK_SAMPLING"))
+    if g.rank == 1 and broken:
+
+        def cannot_open(base_model: str) -> Any:
+            raise RuntimeError("no batch on rank 1")
+
+        engine.open_batch = cannot_open  # type: ignore[method-assign]
     if g.is_leader:
-        leader = worker_group.GroupEngine(engine, g)
+        leader = GroupEngine(engine, g)
         try:
-            result = run_loop(
-                leader,
-                load=folder if mode == "load" else None,
-                save=folder if mode == "save" else None,
-            )
+            if broken:
+                result = broken_sampling(leader)
+            else:
+                result = run_loop(
+                    leader,
+                    load=folder if mode == "load" else None,
+                    save=folder if mode == "save" else None,
+                )
         finally:
             leader.close()
         out.write_text(json.dumps(result))
     else:
-        worker_group.follow(engine)
+        follow(engine, g)
     worker_group.leave()
 
 

@@ -129,6 +129,7 @@ def test_the_catalogue_names_exist() -> None:
         "treadle_cost_usd": {"token_class", "base_model", "tenant"},
         "treadle_recoveries": {"outcome"},
         "treadle_replayed_operations": {"type"},
-        "treadle_device_memory_bytes": {"worker", "kind"},
+        "treadle_device_memory_bytes": {"worker", "rank", "kind"},
+        "treadle_group_ranks": {"worker", "layout"},
     }
     assert {name: labels.get(name) for name in expected} == expected

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.unit import group_loop
@@ -53,37 +54,79 @@ def run_ranks(
     return [p.returncode for p in procs], "\n".join(logs)
 
 
-def group_of_two(cache_dir: Path, out: Path, *extra: str) -> dict[str, Any]:
-    codes, logs = run_ranks(cache_dir, out, *extra)
+def group_of_two(
+    cache_dir: Path, out: Path, *extra: str, layout: str = "replicated"
+) -> dict[str, Any]:
+    codes, logs = run_ranks(cache_dir, out, *extra, env={"GROUP_LOOP_LAYOUT": layout})
     assert codes == [0, 0], logs[-6000:]
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-def test_two_ranks_equal_one_process_bit_for_bit(cache_dir: Path, tmp_path: Path) -> None:
+def same_samples(alone: list[Any], grouped: list[Any]) -> None:
+    """The same tokens (the same seeds) and errors; logprobs within float32 rounding (a
+    request decoded among other neighbours than in one process)."""
+    assert len(alone) == len(grouped)
+    for a_batch, g_batch in zip(alone, grouped, strict=True):
+        for a, g in zip(a_batch, g_batch, strict=True):
+            if isinstance(a, str):
+                assert a == g
+                continue
+            assert [s[0] for s in a] == [s[0] for s in g]
+            for (_, a_lp), (_, g_lp) in zip(a, g, strict=True):
+                np.testing.assert_allclose(a_lp, g_lp, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
+def test_two_ranks_equal_one_process_bit_for_bit(
+    cache_dir: Path, tmp_path: Path, layout: str
+) -> None:
+    """Replicated: each rank computes its share of every request's parts and decodes its
+    share of the sample requests. Sharded: each rank holds half of every decoder layer's
+    weights (FSDP2), gathered for each pass."""
     alone = one_process(cache_dir)
-    grouped = group_of_two(cache_dir, tmp_path / "out.json")
+    grouped = group_of_two(cache_dir, tmp_path / "out.json", layout=layout)
     assert len(grouped["steps"]) == group_loop.STEPS
     for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
         assert a["state"] == b["state"], f"step {step}"
         assert a["logprobs"] == b["logprobs"] and a["losses"] == b["losses"], f"step {step}"
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], f"step {step}"
     assert alone["weight_hash"] == grouped["weight_hash"]
+    same_samples(alone["samples"], grouped["samples"])
+    assert any(isinstance(r, str) and "stopped at step 3" in r for r in grouped["samples"][0])
 
 
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
 def test_a_state_saved_by_the_group_loads_in_one_process_and_back(
-    cache_dir: Path, tmp_path: Path
+    cache_dir: Path, tmp_path: Path, layout: str
 ) -> None:
     uninterrupted = one_process(cache_dir)
     saved_by_group = tmp_path / "by-group"
-    group_of_two(cache_dir, tmp_path / "a.json", "save", str(saved_by_group))
+    group_of_two(cache_dir, tmp_path / "a.json", "save", str(saved_by_group), layout=layout)
     continued_alone = one_process(cache_dir, load=saved_by_group)
     assert continued_alone["weight_hash"] == uninterrupted["weight_hash"]
 
     saved_alone = tmp_path / "alone"
     one_process(cache_dir, save=saved_alone)
-    continued_by_group = group_of_two(cache_dir, tmp_path / "b.json", "load", str(saved_alone))
+    continued_by_group = group_of_two(
+        cache_dir, tmp_path / "b.json", "load", str(saved_alone), layout=layout
+    )
     assert continued_by_group["weight_hash"] == uninterrupted["weight_hash"]
     assert continued_by_group["steps"][-1]["state"] == uninterrupted["steps"][-1]["state"]
+
+
+def test_samples_are_decoded_on_every_rank_and_a_ranks_failure_fails_the_batch(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 cannot open a sample batch: a batch of several requests fails with rank 1's
+    error (so requests were handed to rank 1, not all decoded on rank 0), on every rank alike,
+    and the group goes on training."""
+    out = tmp_path / "out.json"
+    codes, logs = run_ranks(cache_dir, out, env={"GROUP_LOOP_BREAK_SAMPLING": "1"})
+    assert codes == [0, 0], logs[-6000:]
+    result = json.loads(out.read_text())
+    assert "rank 1: RuntimeError: no batch on rank 1" in result["error"]
+    alone = Engine(cache_dir=cache_dir, device="cpu")
+    assert result["weight_hash"] == group_loop.broken_sampling(alone)["weight_hash"]
 
 
 def test_a_rank_whose_weights_drift_fails_the_group_instead_of_training_on(

@@ -21,7 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from treadle.platform import logs
-from treadle.platform.config import PlatformConfig
+from treadle.platform.config import GROUP_LAYOUTS, PlatformConfig
 
 if TYPE_CHECKING:
     from treadle.platform.sessions.supervisor import WorkerProcess
@@ -42,6 +42,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="each worker a group of this many ranks (torch.distributed; one device each)",
     )  # fmt: skip
     up.add_argument(
+        "--layout", choices=GROUP_LAYOUTS, default=None,
+        help="with --devices: replicated (every rank holds the whole base model) or sharded "
+        "(each decoder layer split across the ranks, FSDP2); overrides TREADLE_GROUP_LAYOUT",
+    )  # fmt: skip
+    up.add_argument(
         "--log-format", choices=logs.FORMATS, default=None,
         help="json (one object a line, the default) or human; overrides TREADLE_LOG_FORMAT "
         "and applies to the workers' logs too",
@@ -54,6 +59,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="run the worker as a group of this many ranks on this host (torch.distributed: "
         "NCCL on GPUs, gloo on the CPU), launched as torchrun launches",
     )  # fmt: skip
+    worker.add_argument(
+        "--layout", choices=GROUP_LAYOUTS, default=None,
+        help="with --devices: replicated or sharded base models (see treadle up --layout); "
+        "overrides TREADLE_GROUP_LAYOUT",
+    )  # fmt: skip
     migrate = sub.add_parser("migrate", help="upgrade the database schema to the latest version")
     migrate.add_argument("--data-dir", type=Path, default=None)
 
@@ -64,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         config = PlatformConfig.from_env({**os.environ, "TREADLE_DATA_DIR": str(args.data_dir)})
     if getattr(args, "log_format", None) is not None:
         config = replace(config, log_format=args.log_format)  # and to the workers, by to_env
+    if getattr(args, "layout", None) is not None:
+        config = replace(config, group_layout=args.layout)
     logs.configure(config.log_format)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     if args.command == "up":
@@ -92,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         if ranks.is_rank():
             ranks.run_rank(config, worker_id)
         else:
-            ranks.launch(worker_id, args.devices)  # becomes torchrun
+            ranks.launch(worker_id, args.devices, config.group_layout)  # becomes torchrun
         return 0
     return cmd_migrate(config)
 

@@ -18,7 +18,9 @@ from treadle.cli import errors
 from treadle.cli.billing import render
 
 VERBS = ("status",)
-WORKER_COLUMNS = ("worker", "heartbeat_age", "alive", "sessions", "queued", "ranks", "metrics_url")
+WORKER_COLUMNS = (
+    "worker", "heartbeat_age", "alive", "sessions", "queued", "ranks", "layout", "metrics_url"
+)  # fmt: skip
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,6 +57,7 @@ def show(body: dict[str, Any]) -> str:
             "queued": w["queued"],
             "metrics_url": w["metrics_url"] or "",
             "ranks": w.get("world_size", 1),
+            "layout": w.get("layout") or "",
         }
         for w in workers
     ]

@@ -23,8 +23,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treadle.gpu_worker import adapter_files, batching, fingerprint, sampler
 from treadle.gpu_worker.batching import SampleJob, SampleRequest
+from treadle.gpu_worker.chunked_logprobs import wants_checkpointing
 from treadle.gpu_worker.cpu_threads import threads_for
-from treadle.gpu_worker.group import Group, Part
+from treadle.gpu_worker.group import Group, Part, shard_layers
 from treadle.gpu_worker.heap import release_excess
 from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, TrainableLora
 from treadle.gpu_worker.losses import (
@@ -141,7 +142,8 @@ class Engine:
         # alone by default).
         self.models = models
         # The worker group this engine is a rank of (None: a process of its own); its
-        # forward_backward computes its share of the parts and gets the others' (`group`).
+        # forward_backward computes its share of the parts and gets the others' (`group`), and
+        # in the sharded layout its base models' decoder layers are split across the ranks.
         self.group = group
         # Padded tokens per part of a forward_backward (None: `losses.MICROBATCH_TOKENS`): one
         # pass's size, and the grain a worker group splits a request at.
@@ -317,19 +319,31 @@ class Engine:
             vocab_size = base.model.config.vocab_size
             chunks = microbatches(arrays, vocab_size, max_tokens=self.microbatch_tokens)
             tokens_P = [padded_tokens(chunk) for chunk in chunks]
-            mine = self.group.assign(tokens_P) if self.group else range(len(chunks))
-            tokens = sum(tokens_P[p] for p in mine)
+            passes = (
+                self.group.passes(tokens_P)
+                if self.group
+                else [(p, True) for p in range(len(chunks))]
+            )
+            tokens = sum(tokens_P[p] for p, _ in passes)
+            checkpoint = self.activation_checkpointing
+            if checkpoint is None and self.group and self.group.sharded:
+                # one choice for every pass of every rank: a checkpointed layer gathers its
+                # weights again in the backward, and the ranks' gathers must pair up
+                checkpoint = not forward_only and wants_checkpointing(base.model, max(tokens_P))
             params = adapter.lora.weights.parameters()
             parts: dict[int, Part] = {}
             with base.host.use(adapter.lora.weights), torch.set_grad_enabled(not forward_only):
-                for p in mine:
+                for p, kept in passes:
                     if interrupt is not None:
                         interrupt()
                     # per part, so a part runs on the same threads wherever it runs
                     work = tokens_P[p] * base.parameters * (1 if forward_only else 3)
                     with threads_for(work, self.device):
-                        part = self._part(base, chunks[p], loss, config, params, forward_only)
-                    parts[p] = part
+                        part = self._part(
+                            base, chunks[p], loss, config, params, forward_only, checkpoint
+                        )
+                    if kept:  # else a sharded group's extra pass, run so the ranks' match
+                        parts[p] = part
             every = self.group.exchange(parts, len(chunks)) if self.group else list(parts.values())
             outputs: list[dict[str, np.ndarray]] = []
             total = 0.0
@@ -353,11 +367,12 @@ class Engine:
         config: Mapping[str, float],
         params: list[torch.Tensor],
         forward_only: bool,
+        checkpoint: bool | None,
     ) -> Part:
         """One part of a forward_backward with the active adapter: its outputs, its summed loss
         and (unless `forward_only`) its own gradient, not yet added to the accumulated grads."""
         outputs, part_loss = batch_loss(
-            base.model, arrays, loss, config, checkpoint_layers=self.activation_checkpointing
+            base.model, arrays, loss, config, checkpoint_layers=checkpoint
         )
         grads: list[torch.Tensor | None] | None = None
         if not forward_only:  # allow_unused: a parameter no path reaches gets None
@@ -545,7 +560,9 @@ class Engine:
                 model, tokenizer = load_base_model(info, self.cache_dir, self.device, self.dtype)
                 parameters = sum(p.numel() for p in model.parameters())
                 host = LoraHost(model)
-                if self.pack_cpu_weights:
+                if self.group is not None and self.group.sharded:
+                    shard_layers(model, self.group, self.device)
+                elif self.pack_cpu_weights:
                     host.pack_for_sampling()  # a no-op off the CPU or without oneDNN
                 self._bases[name] = _Base(info, model, tokenizer, host, parameters)
             return self._bases[name]

@@ -3,9 +3,10 @@
 `serve` registers the gauges, starts the worker's metrics HTTP server
 (TREADLE_WORKER_METRICS_PORT; 0 or a port in use: any free one) and returns the URL that goes
 into the worker's heartbeat ("metrics_url"). The gauges (operations in flight and queued, live
-sessions, adapters and snapshots in memory and paged out, device memory) are read at scrape
-time by `WorkerGauges`, never refreshed on a timer; reading them never waits for a running
-operation. The counters and histograms are `telemetry`'s. No session, request or key ids in
+sessions, adapters and snapshots in memory and paged out, device memory by rank, a worker
+group's ranks) are read at scrape time by
+`WorkerGauges`, never refreshed on a timer; reading them never waits for a running operation
+(a group's other ranks report their memory at rank 0's pings, between operations). The counters and histograms are `telemetry`'s. No session, request or key ids in
 labels. Imports platform only; never api.
 """
 
@@ -20,6 +21,8 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from treadle.gpu_worker.capacity import device_memory_in_use
+from treadle.gpu_worker.group_engine import GroupEngine
 from treadle.gpu_worker.host import SessionHost
 from treadle.platform import metrics
 from treadle.platform.config import PlatformConfig
@@ -70,10 +73,16 @@ def gauge_families(host: SessionHost | None = None) -> list[Metric]:
     )
     device = family(
         "treadle_device_memory_bytes",
-        'CUDA memory of this process: "allocated" by tensors, "reserved" by the allocator',
-        labels=["worker", "kind"],
+        'CUDA memory of each rank: "allocated" by tensors, "reserved" by the allocator (a '
+        "group's other ranks as of rank 0's last ping)",
+        labels=["worker", "rank", "kind"],
     )
-    families: list[Metric] = [in_flight, queued, live, adapters, snapshots, device]
+    ranks = family(
+        "treadle_group_ranks",
+        "Ranks of this worker's group (torch.distributed), by how it holds base models",
+        labels=["worker", "layout"],
+    )
+    families: list[Metric] = [in_flight, queued, live, adapters, snapshots, device, ranks]
     if host is None:
         return families
     running = 0 if host.running() is None else 1
@@ -88,8 +97,14 @@ def gauge_families(host: SessionHost | None = None) -> list[Metric]:
     resident, paged = host.engine.snapshot_counts()
     snapshots.add_metric([*worker, "resident"], resident)
     snapshots.add_metric([*worker, "paged"], paged)
-    for kind, value in _device_memory(host.engine.device.type).items():
-        device.add_metric([*worker, kind], value)
+    engine = host.engine
+    by_rank = {0: device_memory_in_use(engine.device)}
+    if isinstance(engine, GroupEngine):
+        by_rank = {**engine.rank_memory, **by_rank}
+        ranks.add_metric([*worker, engine.group.layout], engine.group.world_size)
+    for rank, memory in sorted(by_rank.items()):
+        for kind, value in memory.items():
+            device.add_metric([*worker, str(rank), kind], value)
     return families
 
 
@@ -123,15 +138,3 @@ def _read_load(host: SessionHost) -> tuple[int, int] | None:
     except sa.exc.SQLAlchemyError as exc:
         log.warning("%s: metrics could not read the sessions' load: %s", host.worker_id, exc)
         return None
-
-
-def _device_memory(device_type: str) -> dict[str, float]:
-    """CUDA memory in bytes by kind; nothing on the CPU."""
-    if device_type != "cuda":
-        return {}
-    import torch  # the worker has it loaded already; imported here to keep this module light
-
-    return {
-        "allocated": float(torch.cuda.memory_allocated()),
-        "reserved": float(torch.cuda.memory_reserved()),
-    }

@@ -1,21 +1,23 @@
 """Worker groups: one engine per rank of a `torch.distributed` process group, driven by rank 0.
 
-Rank 0 is the worker the platform sees (it consumes the session queues, holds the leases and
-settles); its engine is a `GroupEngine`, which sends every call that changes an adapter to the
-other ranks (`broadcast_object_list` of the method and its arguments) before running it on its
-own engine, so every rank's engine sees the same calls in the same order. The other ranks run
-`follow`: receive a call, run it, until rank 0 closes the group or a collective times out. After
-each call every rank checks that all ended the same way (the same error or none; after a call
-that sets weights, the same weight hash): a rank that differs fails the group rather than train
-on other weights than rank 0 reports.
+Owns a rank's place in its group (`Group`: rank, world size, the collectives' timeout, the
+layout of the base models), joining and leaving the process group, the collectives the group
+runs on (every one bounded by the group's timeout: a rank that dies fails the others within it
+instead of hanging them), the exact data parallelism of `forward_backward` and the sharding of a
+base model. How rank 0 drives the others lives in `group_engine`, sampling on a group in
+`group_batches`.
 
 Data parallel, exact: `forward_backward` splits a request into parts the same way at every world
 size (`losses.microbatches`), each rank computes the parts `Group.assign` gives it (balanced by
 tokens), and `Group.exchange` hands every rank every part's outputs and LoRA gradient; each rank
 then adds the parts in their order, the sum one process makes, so adapters, optimizer states and
-their hashes are the same bit for bit at every world size. What only reads (sampling, exports,
-hashes, weights) runs on rank 0 alone, whose adapter is the whole adapter. Every collective has
-the group's timeout: a rank that dies fails the others within it instead of hanging them.
+their hashes are the same bit for bit at every world size.
+
+Layouts: `replicated` (every rank holds the whole base model) or `sharded` (`shard_layers`: each
+decoder layer's frozen weights split across the ranks with FSDP2's `fully_shard` over a
+`DeviceMesh`, gathered layer by layer for each pass; the embeddings, final norm and output head
+stay whole on every rank). A sharded forward pass is a collective: every rank runs as many
+passes as the others (`Group.passes`), and samples are decoded on every rank in lockstep.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,32 +34,27 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
-__all__ = ["MIRRORED", "Group", "GroupEngine", "Part", "follow", "init_from_env", "leave"]
+from treadle.platform.config import GROUP_LAYOUTS as LAYOUTS
+
+__all__ = [
+    "GROUP_FAILED_EXIT",
+    "LAYOUTS",
+    "Group",
+    "Part",
+    "broadcast",
+    "fail",
+    "gather",
+    "init_from_env",
+    "leave",
+    "shard_layers",
+]
 
 log = logging.getLogger(__name__)
 
-# Engine methods every rank runs (they change what an adapter or snapshot holds); the rest run
-# on rank 0 only.
-MIRRORED = frozenset(
-    {
-        "create_adapter",
-        "drop_adapter",
-        "set_adapter_weights",
-        "forward_backward",
-        "optim_step",
-        "snapshot",
-        "drop_snapshot",
-        "import_adapter",
-        "load_snapshot",
-    }
-)
-# Mirrored calls after which every rank's adapter weights are compared (by hash).
-_SETS_WEIGHTS = frozenset({"create_adapter", "set_adapter_weights", "optim_step", "import_adapter"})
-_CLOSE = "__close__"
-_PING = "__ping__"
-# A rank's exit status when its group failed (a rank died, a collective timed out): its
-# launcher ends the other ranks and the worker is started again.
+# A rank's exit status when its group failed (a rank died, a collective timed out, the ranks
+# disagreed): its launcher ends the other ranks and the worker is started again.
 GROUP_FAILED_EXIT = 75
 
 
@@ -82,35 +78,58 @@ class CollectiveTime:
 
 @dataclass(frozen=True)
 class Group:
-    """This process's place in the group: its rank, the world size and the collectives'
-    timeout."""
+    """This process's place in the group: its rank, the world size, the collectives' timeout
+    and the base models' layout (one of LAYOUTS)."""
 
     rank: int
     world_size: int
     timeout_seconds: float
+    layout: str = "replicated"
     exchanged: CollectiveTime = field(default_factory=CollectiveTime, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; use one of {', '.join(LAYOUTS)}")
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    @property
+    def sharded(self) -> bool:
+        return self.layout == "sharded"
+
     def assign(self, tokens_P: Sequence[int]) -> list[int]:
         """The parts this rank computes: each part, largest first, goes to the rank with the
         fewest tokens so far (ties to the lowest rank). The same on every rank."""
+        return [p for p, r in enumerate(self.owners(tokens_P)) if r == self.rank]
+
+    def owners(self, tokens_P: Sequence[int]) -> list[int]:
+        """Each part's rank (see `assign`)."""
         load = [0] * self.world_size
         owner = [0] * len(tokens_P)
         for part in sorted(range(len(tokens_P)), key=lambda p: (-tokens_P[p], p)):
             rank = min(range(self.world_size), key=lambda r: (load[r], r))
             owner[part] = rank
             load[rank] += tokens_P[part]
-        return [p for p, r in enumerate(owner) if r == self.rank]
+        return owner
+
+    def passes(self, tokens_P: Sequence[int]) -> list[tuple[int, bool]]:
+        """The passes this rank runs: its parts, each with True; in the sharded layout, where
+        every pass is a collective, as many as the rank with the most, the extra ones (False:
+        computed, then dropped) on the request's smallest part."""
+        mine = [(p, True) for p in self.assign(tokens_P)]
+        if not self.sharded or not tokens_P:
+            return mine
+        most = max(self.owners(tokens_P).count(r) for r in range(self.world_size))
+        smallest = min(range(len(tokens_P)), key=lambda p: (tokens_P[p], p))
+        return mine + [(smallest, False)] * (most - len(mine))
 
     def exchange(self, mine: dict[int, Part], count: int) -> list[Part]:
         """Every part, in order, on every rank: each rank's parts gathered to all."""
         local = {p: _portable(part) for p, part in mine.items()}
-        gathered: list[Any] = [None] * self.world_size
         started = time.perf_counter()
-        _collective("all_gather_object", lambda: dist.all_gather_object(gathered, local))
+        gathered = gather(local, "forward_backward's exchange")
         self.exchanged.seconds += time.perf_counter() - started
         self.exchanged.calls += 1
         every: dict[int, Part] = {}
@@ -126,10 +145,13 @@ def _portable(part: Part) -> Part:
     return Part(part.outputs, part.loss, grads)
 
 
-def init_from_env(timeout_seconds: float, device: str | None = None) -> Group:
+def init_from_env(
+    timeout_seconds: float, device: str | None = None, layout: str = "replicated"
+) -> Group:
     """Join the process group torchrun's environment describes (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT): NCCL on CUDA, gloo on the CPU, every collective bounded by `timeout_seconds`."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    group = Group(rank, world_size, timeout_seconds, layout)  # ValueError for a bad layout
     on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if on_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -139,63 +161,48 @@ def init_from_env(timeout_seconds: float, device: str | None = None) -> Group:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_seconds),
     )
-    return Group(rank, world_size, timeout_seconds)
+    return group
 
 
-class GroupEngine:
-    """Rank 0's engine: the `Engine` interface, each mirrored call sent to the other ranks
-    first. `interrupt` callbacks run on rank 0, once, before a call is sent (a call the group
-    has started runs to its end on every rank)."""
+def shard_layers(model: nn.Module, group: Group, device: torch.device) -> int:
+    """Split each decoder layer's weights (the backbone's `layers`) across the group's ranks with
+    FSDP2's `fully_shard` on a one-dimensional `DeviceMesh`; each pass gathers a layer's weights
+    just before it runs and frees them after. The rest of the model (embeddings, final norm,
+    output head: what the chunked logprobs call outside the model's forward) stays whole.
+    Returns the number of layers sharded (0: a model without a `layers` list runs whole)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    def __init__(self, engine: Any, group: Group) -> None:
-        assert group.is_leader
-        self.engine = engine
-        self.group = group
-        # One call in flight across the group: a ping never lands inside a call's collectives.
-        self._sending = threading.Lock()
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self.engine, name)
-        if name not in MIRRORED:
-            return attribute
-
-        def mirrored(*args: Any, **kwargs: Any) -> Any:
-            interrupt: Callable[[], None] | None = kwargs.pop("interrupt", None)
-            with self._sending:
-                if interrupt is not None:
-                    interrupt()
-                _send(name, args, kwargs)
-                result, error = _run(self.engine, name, args, kwargs)
-            if error is not None:
-                raise error
-            return result
-
-        return mirrored
-
-    def ping(self) -> None:
-        """While no call is in flight, show the other ranks the group is alive (they wait for
-        the next call at most the group's timeout), and learn whether they are."""
-        if self._sending.acquire(blocking=False):
-            try:
-                _send(_PING, (), {})
-            finally:
-                self._sending.release()
-
-    def close(self) -> None:
-        """Tell the other ranks to stop following."""
-        with self._sending:
-            _send(_CLOSE, (), {})
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        return 0
+    mesh = init_device_mesh(device.type, (group.world_size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    # Gather each layer once now, outside any inference mode: FSDP keeps the gathered weights'
+    # tensors for later passes, and ones first made under sampling's `inference_mode` could
+    # not be used by a training pass.
+    with torch.no_grad():
+        for layer in layers:
+            layer.unshard()  # type: ignore[operator]
+            layer.reshard()  # type: ignore[operator]
+    return len(layers)
 
 
-def _send(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    message: list[Any] = [(name, args, kwargs)]
-    _collective("broadcast", lambda: dist.broadcast_object_list(message, src=0))
+def broadcast(message: Any) -> Any:
+    """Rank 0's `message` on every rank (the others pass None)."""
+    box: list[Any] = [message]
+    _collective("broadcast", lambda: dist.broadcast_object_list(box, src=0))
+    return box[0]
 
 
-def _receive() -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    message: list[Any] = [None]
-    _collective("broadcast", lambda: dist.broadcast_object_list(message, src=0))
-    return message[0]  # type: ignore[no-any-return]
+def gather(mine: Any, what: str = "all_gather_object") -> list[Any]:
+    """Every rank's object, by rank, on every rank."""
+    every: list[Any] = [None] * dist.get_world_size()
+    _collective(what, lambda: dist.all_gather_object(every, mine))
+    return every
 
 
 def _collective(what: str, run: Callable[[], Any]) -> Any:
@@ -204,61 +211,18 @@ def _collective(what: str, run: Callable[[], Any]) -> Any:
     try:
         return run()
     except RuntimeError as exc:
-        log.critical("the worker group failed in %s (%s); ending rank %d", what, exc, _rank())
-        logging.shutdown()
-        os._exit(GROUP_FAILED_EXIT)
+        fail(f"the worker group failed in {what} ({exc})")
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else -1
-
-
-def follow(engine: Any) -> None:
-    """A rank other than 0: run each call rank 0 sends on `engine`, until it closes the group.
-    A call's error is the same on every rank (the same inputs): it is logged and the rank goes
-    on, as rank 0 reports it to the client."""
-    while True:
-        name, args, kwargs = _receive()
-        if name == _CLOSE:
-            return
-        if name == _PING:
-            continue
-        _, error = _run(engine, name, args, kwargs)
-        if error is not None:  # the same as rank 0's (`_run` checked), which reports it
-            log.info("rank call %s failed as on rank 0: %s", name, error)
-
-
-def _run(
-    engine: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, Exception | None]:
-    """Run a mirrored call on this rank's engine, then check with every rank that it ended the
-    same way: the same error or none, and for a call that sets an adapter's weights the same
-    weight hash. A rank that differs (a failure of its own, weights that drifted) would go on
-    training on other weights than rank 0 reports: the group fails instead, and the next one
-    rebuilds its sessions from the log."""
-    result: Any = None
-    error: Exception | None = None
-    try:
-        result = getattr(engine, name)(*args, **kwargs)
-    except Exception as exc:  # noqa: BLE001  # compared below, then raised on rank 0
-        error = exc
-    weights = None
-    if error is None and name in _SETS_WEIGHTS:
-        weights = engine.weight_hash(args[0] if args else kwargs["adapter_id"])
-    outcome = (type(error).__name__ if error is not None else None, weights)
-    every: list[Any] = [None] * dist.get_world_size()
-    _collective("all_gather_object", lambda: dist.all_gather_object(every, outcome))
-    if any(o != every[0] for o in every):
-        log.critical(
-            "the ranks of the worker group disagree after %s: %s; ending rank %d",
-            name, every, _rank(),
-        )  # fmt: skip
-        logging.shutdown()
-        os._exit(GROUP_FAILED_EXIT)
-    return result, error
+def fail(why: str) -> None:
+    """End this rank with GROUP_FAILED_EXIT, logging `why`: its launcher ends the others."""
+    log.critical("%s; ending rank %d", why, dist.get_rank() if dist.is_initialized() else -1)
+    logging.shutdown()
+    os._exit(GROUP_FAILED_EXIT)
 
 
 def leave() -> None:
     """Leave the process group (after rank 0 closed it)."""
     if dist.is_initialized():
+        _collective("barrier", dist.barrier)
         dist.destroy_process_group()

@@ -22,6 +22,7 @@ import sys
 import torch
 
 from treadle.gpu_worker import group as worker_group
+from treadle.gpu_worker.group_engine import follow
 from treadle.gpu_worker.runtime import new_engine, run_worker
 from treadle.platform import db
 from treadle.platform.config import PlatformConfig
@@ -37,9 +38,10 @@ def is_rank() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(worker_id: str, devices: int) -> None:
-    """Become torchrun, starting `devices` ranks of worker `worker_id`; never returns."""
-    env = dict(os.environ)
+def launch(worker_id: str, devices: int, layout: str) -> None:
+    """Become torchrun, starting `devices` ranks of worker `worker_id` holding base models in
+    `layout`; never returns."""
+    env = {**os.environ, "TREADLE_GROUP_LAYOUT": layout}
     # torchrun sets one OpenMP thread per rank unless told; a rank runs a part on the threads
     # one worker would, so a part's float results do not depend on the world size.
     env.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -48,14 +50,16 @@ def launch(worker_id: str, devices: int) -> None:
         f"--nproc-per-node={devices}", "--max-restarts=0", "--monitor-interval=0.5",
         "-m", "treadle.cli", "worker", "--worker-id", worker_id, "--devices", str(devices),
     ]  # fmt: skip
-    log.info("%s: starting a group of %d ranks", worker_id, devices)
+    log.info("%s: starting a group of %d ranks (%s)", worker_id, devices, layout)
     os.execve(sys.executable, argv, env)
 
 
 def run_rank(config: PlatformConfig, worker_id: str) -> None:
     """One rank of worker `worker_id`'s group: rank 0 runs the worker, the others follow."""
     _die_with_parent()
-    group = worker_group.init_from_env(config.group_timeout_seconds, config.device)
+    group = worker_group.init_from_env(
+        config.group_timeout_seconds, config.device, config.group_layout
+    )
     tag = _RankTag(worker_id, group.rank, group.world_size)
     for handler in logging.getLogger().handlers:  # every line says which rank of which group
         handler.addFilter(tag)
@@ -75,11 +79,13 @@ def run_follower(config: PlatformConfig, worker_id: str, group: worker_group.Gro
         spill_dir=config.spill_dir(f"{worker_id}.rank{group.rank}"),
         group=group,
         device=_device(config, group),
-        pack_cpu_weights=False,  # followers never sample
     )
-    log.info("%s: rank %d of %d following rank 0", worker_id, group.rank, group.world_size)
+    log.info(
+        "%s: rank %d of %d following rank 0 (%s)",
+        worker_id, group.rank, group.world_size, group.layout,
+    )  # fmt: skip
     try:
-        worker_group.follow(engine)
+        follow(engine, group)
     finally:
         worker_group.leave()
         database.dispose()

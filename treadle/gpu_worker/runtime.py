@@ -23,6 +23,7 @@ from treadle.gpu_worker import gauges, heap
 from treadle.gpu_worker import group as worker_group
 from treadle.gpu_worker.capacity import Capacity
 from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.group_engine import GroupEngine
 from treadle.gpu_worker.host import SessionHost
 from treadle.platform import db, logs
 from treadle.platform.checkpoints import checkpoints, storage
@@ -64,13 +65,18 @@ class LeaseKeeper(threading.Thread):
         self.config = config
         # What the heartbeat tells the platform about this process (`treadle status` shows it).
         self.info: dict[str, Any] = {"pid": os.getpid(), "metrics_url": metrics_url}
-        if isinstance(host.engine, worker_group.GroupEngine):
+        shards = 1
+        if isinstance(host.engine, GroupEngine):
             group = host.engine.group
             self.info["world_size"] = group.world_size
             self.info["group_timeout_seconds"] = group.timeout_seconds
+            self.info["layout"] = group.layout
+            shards = group.world_size if group.sharded else 1
         self.host = host
         engine = host.engine
-        self.capacity = Capacity(engine.device, engine.dtype, config.worker_model_memory_bytes)
+        self.capacity = Capacity(
+            engine.device, engine.dtype, config.worker_model_memory_bytes, shards=shards
+        )
         self.app = app
         self.consuming: set[str] = set()
         self.stopped = threading.Event()
@@ -88,7 +94,7 @@ class LeaseKeeper(threading.Thread):
 
     def tick(self) -> None:
         me = self.host.worker_id
-        if isinstance(self.host.engine, worker_group.GroupEngine):
+        if isinstance(self.host.engine, GroupEngine):
             self.host.engine.ping()  # a dead rank ends the group here, between operations
         with self.host.db.begin() as conn:
             # Retired models too: the sessions already on them still need a host.
@@ -206,11 +212,11 @@ def run_worker(
     other ranks follow its engine (`gpu_worker/ranks.py`)."""
     heap.keep_freed_pages()
     database = db.connect(config.database_url, pool_size=4)
-    engine: Engine | worker_group.GroupEngine = new_engine(
+    engine: Engine | GroupEngine = new_engine(
         config, database, spill_dir=config.spill_dir(worker_id), group=group
     )
     if group is not None:
-        engine = worker_group.GroupEngine(engine, group)
+        engine = GroupEngine(engine, group)
     host = SessionHost(
         db=database,
         redis_client=redis.Redis.from_url(config.redis_url),
@@ -265,7 +271,7 @@ def run_worker(
         host.close()
         keeper.stopped.set()
         keeper.join(timeout=10)
-        if isinstance(engine, worker_group.GroupEngine):
+        if isinstance(engine, GroupEngine):
             engine.close()  # the other ranks stop following
             worker_group.leave()
         with host.db.begin() as conn:

@@ -93,6 +93,10 @@ class PlatformConfig:
     # How long a worker group's collective may wait for a rank before the group fails (rank 0
     # pings the others at a quarter of it while idle).
     group_timeout_seconds: float = 120.0
+    # How a worker group holds its base models: "replicated" (whole on every rank; requests
+    # split across the ranks) or "sharded" (each decoder layer split across the ranks with
+    # FSDP2, for models larger than one device). One process ignores it.
+    group_layout: str = "replicated"
     s3_endpoint: str = ""
     s3_bucket: str = "treadle"
     s3_access_key: str = ""
@@ -163,6 +167,7 @@ class PlatformConfig:
             activation_checkpointing=_auto_flag(env, "TREADLE_ACTIVATION_CHECKPOINTING"),
             microbatch_tokens=_whole(env, "TREADLE_MICROBATCH_TOKENS", 0),
             group_timeout_seconds=_number(env, "TREADLE_GROUP_TIMEOUT_SECONDS", 120.0),
+            group_layout=_group_layout(env),
             s3_endpoint=env.get("TREADLE_S3_ENDPOINT", ""),
             s3_bucket=env.get("TREADLE_S3_BUCKET") or "treadle",
             s3_access_key=env.get("TREADLE_S3_ACCESS_KEY") or env.get("AWS_ACCESS_KEY_ID", ""),
@@ -204,6 +209,7 @@ class PlatformConfig:
             ],
             "TREADLE_MICROBATCH_TOKENS": str(self.microbatch_tokens),
             "TREADLE_GROUP_TIMEOUT_SECONDS": str(self.group_timeout_seconds),
+            "TREADLE_GROUP_LAYOUT": self.group_layout,
             "TREADLE_WORKER_METRICS_PORT": str(self.worker_metrics_port),
             "TREADLE_WORKER_METRICS_ADDR": self.worker_metrics_addr,
             "TREADLE_LOG_FORMAT": self.log_format,
@@ -252,6 +258,13 @@ def _log_format(env: Mapping[str, str]) -> str:
     return raw
 
 
+def _group_layout(env: Mapping[str, str]) -> str:
+    raw = env.get("TREADLE_GROUP_LAYOUT") or "replicated"
+    if raw not in GROUP_LAYOUTS:
+        raise ValueError(f"TREADLE_GROUP_LAYOUT must be {' or '.join(GROUP_LAYOUTS)}, got {raw!r}")
+    return raw
+
+
 def _port(env: Mapping[str, str], name: str) -> int:
     value = _whole(env, name, DEFAULT_WORKER_METRICS_PORT)
     if value > 65535:
@@ -260,6 +273,8 @@ def _port(env: Mapping[str, str], name: str) -> int:
 
 
 MIN_BODY_BYTES = 64 * 1024
+# How a worker group holds its base models (gpu_worker/group.py).
+GROUP_LAYOUTS = ("replicated", "sharded")
 
 
 def _body_bytes(env: Mapping[str, str], name: str, default: int) -> int:

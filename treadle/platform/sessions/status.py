@@ -34,6 +34,7 @@ class WorkerStatus:
     metrics_url: str | None  # its Prometheus endpoint, from its heartbeat, when it serves one
     device: str | None  # where it runs its models ("cpu", "cuda:0"), from its heartbeat
     world_size: int  # its ranks: a worker group runs each session on all of them
+    layout: str | None  # a group's: "replicated" or "sharded" base models (None: one process)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def read_status(
                 metrics_url=_text_or_none((row.info or {}).get("metrics_url")),
                 device=_text_or_none((row.info or {}).get("device")),
                 world_size=int((row.info or {}).get("world_size", 1)),
+                layout=_text_or_none((row.info or {}).get("layout")),
             )
             for row in rows
         ],
