@@ -143,7 +143,7 @@ def sdk_loop(
                     "losses": [o["elementwise_loss"].tolist() for o in out.loss_fn_outputs],
                 }
             )
-        sampler = tc.save_weights_and_get_sampling_client()
+        sampler = tc.save_weights_and_get_sampling_client().result()
         params = types.SamplingParams(max_tokens=MAX_TOKENS, seed=SEED)
         futures = [
             sampler.sample(types.ModelInput.from_ints(list(p)), SAMPLES, params) for p in PROMPTS
@@ -271,7 +271,7 @@ def test_replay_and_fork_of_a_group_session_are_verified_and_it_is_metered_once(
 ) -> None:
     import treadle
 
-    model_id, _, _ = sdk_loop(group_up, key)
+    model_id, _, samples = sdk_loop(group_up, key)
     svc = treadle.ServiceClient(base_url=group_up.base_url, api_key=key)
     try:
         report = svc.replay(model_id).report
@@ -294,7 +294,14 @@ def test_replay_and_fork_of_a_group_session_are_verified_and_it_is_metered_once(
     finally:
         svc.close()
     with group_up.db.connect() as conn:
-        train = conn.execute(
-            sa.select(sa.func.sum(usage.c.train_tokens)).where(usage.c.session_id == model_id)
-        ).scalar_one()
+        train, prefill, sampled = conn.execute(
+            sa.select(
+                sa.func.sum(usage.c.train_tokens),
+                sa.func.sum(usage.c.prefill_tokens),
+                sa.func.sum(usage.c.sample_tokens),
+            ).where(usage.c.session_id == model_id)
+        ).one()
     assert train == STEPS * sum(LENGTHS)  # each datum's tokens once, not once per rank
+    # each sample request once, whichever rank decoded it
+    assert prefill == sum(len(p) for p in PROMPTS)
+    assert sampled == sum(len(s[0]) for request in samples for s in request)

@@ -6,6 +6,7 @@ the same weights as an uninterrupted run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,11 +16,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from tests.unit import group_loop
 from tests.unit.engine_support import shared_cache_dir
+from treadle.gpu_worker.capacity import HEADROOM, Capacity
 from treadle.gpu_worker.engine import Engine
+from treadle.gpu_worker.group import Group
+from treadle.platform.config import PlatformConfig
 from treadle.platform.embedded import free_port
+from treadle.platform.models.catalog import TINY_DEBUG_NAME, get_base_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,3 +148,40 @@ def test_a_rank_whose_weights_drift_fails_the_group_instead_of_training_on(
     assert codes == [GROUP_FAILED_EXIT, GROUP_FAILED_EXIT], logs[-6000:]
     assert "disagree after optim_step" in logs
     assert not out.exists()  # rank 0 never finished the loop
+
+
+@pytest.mark.parametrize("tokens_P", [[96, 40, 96], [10], [96, 96, 96, 96, 5], [50, 50]])
+def test_every_rank_of_a_sharded_group_runs_as_many_passes(tokens_P: list[int]) -> None:
+    """A sharded pass is a collective: ranks with fewer parts run extra, dropped passes on the
+    smallest part; each part is kept by exactly one rank, the one `assign` gives it."""
+    for layout in ("replicated", "sharded"):
+        ranks = [Group(rank, 2, 60.0, layout) for rank in range(2)]
+        passes = [g.passes(tokens_P) for g in ranks]
+        kept = sorted(p for rank_passes in passes for p, keep in rank_passes if keep)
+        assert kept == list(range(len(tokens_P)))
+        for g, rank_passes in zip(ranks, passes, strict=True):
+            assert [p for p, keep in rank_passes if keep] == g.assign(tokens_P)
+        if layout == "sharded":
+            assert len(passes[0]) == len(passes[1])
+            smallest = min(range(len(tokens_P)), key=lambda p: tokens_P[p])
+            assert all(p == smallest for r in passes for p, keep in r if not keep)
+        else:
+            assert all(keep for r in passes for _, keep in r)
+
+
+def test_a_sharded_group_admits_a_model_by_its_share_per_rank() -> None:
+    info = dataclasses.replace(get_base_model(TINY_DEBUG_NAME), parameters=1_000_000)
+    needed = int(info.parameters * 4 * HEADROOM)  # float32 weights and a tenth more
+    cpu = torch.device("cpu")
+    assert Capacity(cpu, torch.float32, needed // 2, shards=2).refusal(info) is None
+    refusal = Capacity(cpu, torch.float32, needed // 2 - 1024).refusal(info)
+    assert refusal is not None and "per device" in refusal
+    refusal = Capacity(cpu, torch.float32, needed // 4, shards=2).refusal(info)
+    assert refusal is not None and "split across 2 ranks" in refusal
+
+
+def test_an_unknown_layout_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="replicated, sharded"):
+        Group(0, 2, 60.0, "striped")
+    with pytest.raises(ValueError, match="TREADLE_GROUP_LAYOUT must be replicated or sharded"):
+        PlatformConfig.from_env({"TREADLE_GROUP_LAYOUT": "striped"})
