@@ -106,7 +106,7 @@ def rank_main(args: argparse.Namespace) -> None:
         args.out.write_text(json.dumps(result))
     else:
         follow(engine, group)
-    worker_group.leave()
+    worker_group.leave(engine)
 
 
 def world(args: argparse.Namespace, size: int, layout: str) -> dict[str, object]:
@@ -162,7 +162,7 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     hashes = set()
     for size in args.world_sizes:
-        for layout in args.layouts if size > 1 else ["replicated"]:
+        for layout in args.layouts if size > 1 or args.group_of_one else ["replicated"]:
             r = world(args, size, layout)
             hashes.add(r["weight_hash"])
             print(

@@ -173,7 +173,7 @@ def main() -> None:
         out.write_text(json.dumps(result))
     else:
         follow(engine, g)
-    worker_group.leave()
+    worker_group.leave(engine)
 
 
 if __name__ == "__main__":

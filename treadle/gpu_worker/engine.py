@@ -551,16 +551,26 @@ class Engine:
             self.drop_snapshot(snapshot_id)
             self._snapshots.put(snapshot_id, Snapshot(None, base_model, lora.weights.frozen_copy()))
 
+    def unload(self) -> None:
+        """Forget the base models (a process about to end: see `group.leave`); they load again
+        when next used."""
+        with self._lock:
+            self._bases.clear()
+
     # -- internals ----------------------------------------------------------------------------
 
     def _base(self, name: str) -> _Base:
         with self._lock:
             if name not in self._bases:
                 info = self.models(name)
-                model, tokenizer = load_base_model(info, self.cache_dir, self.device, self.dtype)
+                sharded = self.group is not None and self.group.sharded
+                model, tokenizer = load_base_model(
+                    info, self.cache_dir, self.device, self.dtype, on_host=sharded
+                )
                 parameters = sum(p.numel() for p in model.parameters())
                 host = LoraHost(model)
-                if self.group is not None and self.group.sharded:
+                if sharded:
+                    assert self.group is not None
                     shard_layers(model, self.group, self.device)
                 elif self.pack_cpu_weights:
                     host.pack_for_sampling()  # a no-op off the CPU or without oneDNN

@@ -24,6 +24,8 @@ Must not import flask, sqlalchemy, celery or treadle.api.
 from __future__ import annotations
 
 import datetime
+import gc
+import itertools
 import logging
 import os
 import time
@@ -169,7 +171,10 @@ def shard_layers(model: nn.Module, group: Group, device: torch.device) -> int:
     FSDP2's `fully_shard` on a one-dimensional `DeviceMesh`; each pass gathers a layer's weights
     just before it runs and frees them after. The rest of the model (embeddings, final norm,
     output head: what the chunked logprobs call outside the model's forward) stays whole.
-    Returns the number of layers sharded (0: a model without a `layers` list runs whole)."""
+    `model` may be in host memory: FSDP moves each layer to `device` as it shards it (one whole
+    layer there at a time), and the rest follows, so the device never holds the whole model.
+    Returns the number of layers sharded (0: a model without a `layers` list runs whole, and
+    is moved to `device`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -177,10 +182,13 @@ def shard_layers(model: nn.Module, group: Group, device: torch.device) -> int:
     decoder = get_decoder() if callable(get_decoder) else model
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
+        _to_device(model, device, skip=set())
         return 0
     mesh = init_device_mesh(device.type, (group.world_size,))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
+    in_layers = {id(t) for t in itertools.chain(layers.parameters(), layers.buffers())}
+    _to_device(model, device, skip=in_layers)
     # Gather each layer once now, outside any inference mode: FSDP keeps the gathered weights'
     # tensors for later passes, and ones first made under sampling's `inference_mode` could
     # not be used by a training pass.
@@ -189,6 +197,19 @@ def shard_layers(model: nn.Module, group: Group, device: torch.device) -> int:
             layer.unshard()  # type: ignore[operator]
             layer.reshard()  # type: ignore[operator]
     return len(layers)
+
+
+def _to_device(model: nn.Module, device: torch.device, skip: set[int]) -> None:
+    """Move `model`'s tensors but those in `skip` to `device`, in place: a weight two modules
+    share (tied embeddings) stays one tensor."""
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and id(param) not in skip and param.device != device:
+                    param.data = param.data.to(device)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and id(buffer) not in skip and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
 
 
 def broadcast(message: Any) -> Any:
@@ -221,8 +242,14 @@ def fail(why: str) -> None:
     os._exit(GROUP_FAILED_EXIT)
 
 
-def leave() -> None:
-    """Leave the process group (after rank 0 closed it)."""
+def leave(engine: Any = None) -> None:
+    """Leave the process group (after rank 0 closed it), then unload `engine`'s base models
+    while the interpreter is whole: a sharded model's tensors hold the process group, and
+    left to the interpreter's teardown they ended a rank with SIGABRT ("terminate called
+    without an active exception") about one time in three."""
     if dist.is_initialized():
         _collective("barrier", dist.barrier)
         dist.destroy_process_group()
+    if engine is not None:
+        engine.unload()
+        gc.collect()

@@ -33,10 +33,17 @@ TINY_DEBUG_SEED = 0
 
 
 def load_base_model(
-    base: str | BaseModelInfo, cache_dir: Path, device: str | torch.device, dtype: torch.dtype
+    base: str | BaseModelInfo,
+    cache_dir: Path,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    *,
+    on_host: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The base model (a registry entry, or a built-in's name) on `device` in `dtype`, frozen,
-    with its tokenizer.
+    with its tokenizer. With `on_host`, in the dtype `device` would get but left in host memory:
+    a worker group that shards the model moves each rank's share to its device itself, so no
+    device ever holds the whole model.
 
     Raises ValidationError for an unknown built-in name.
     """
@@ -51,7 +58,7 @@ def load_base_model(
         model = build_tiny_debug(tokenizer)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir(info, cache_dir)), dtype=dtype)
-    model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers wraps .to
+    model.to(device="cpu" if on_host else device, dtype=dtype)  # type: ignore[call-arg]
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer

@@ -87,7 +87,7 @@ def run_follower(config: PlatformConfig, worker_id: str, group: worker_group.Gro
     try:
         follow(engine, group)
     finally:
-        worker_group.leave()
+        worker_group.leave(engine)
         database.dispose()
 
 

@@ -273,7 +273,7 @@ def run_worker(
         keeper.join(timeout=10)
         if isinstance(engine, GroupEngine):
             engine.close()  # the other ranks stop following
-            worker_group.leave()
+            worker_group.leave(engine)
         with host.db.begin() as conn:
             released = leases.retire_worker(conn, worker_id, "the worker shut down")
         log.info("%s: released %d session lease(s) on shutdown", worker_id, len(released))
