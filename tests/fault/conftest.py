@@ -128,7 +128,9 @@ class Up:
                 raise RuntimeError("treadle up exited:\n" + self.log())
             if not (self.data_dir / "up.json").exists():
                 return False
-            if httpx.get(f"{self.base_url}/healthz", timeout=2).status_code != 200:
+            health = httpx.get(f"{self.base_url}/healthz", timeout=2).status_code
+            # with no worker of its own, the platform answers 503 until one joins from outside
+            if health != 200 and not (workers == 0 and health == 503):
                 return False
             return self.live_workers() >= workers
 

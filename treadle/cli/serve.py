@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -92,6 +93,13 @@ def run(args: argparse.Namespace) -> int:
         from treadle.platform.sessions.supervisor import default_worker_id
 
         worker_id = args.worker_id or default_worker_id(config, args.index)
+        if "@" not in worker_id:
+            # Celery names a node without "@" celery@NAME, and the session queues are handed
+            # to the node by its id: the worker would claim sessions and never run them.
+            raise SystemExit(
+                f"treadle worker: --worker-id must be NAME@HOST (the worker's Celery node "
+                f"name), got {worker_id!r}; for example {worker_id}@{socket.gethostname()}"
+            )
         if args.devices < 1:
             raise SystemExit("treadle worker: --devices must be 1 or more")
         if args.devices == 1:
