@@ -8,7 +8,6 @@ worker of two ranks in `treadle status`."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,13 +21,14 @@ import torch
 from tests.compat.test_worker_groups import (
     PART_TOKENS,
     check_same,
+    live_worker,
     one_process,
     recorded_states,
     sdk_loop,
+    tenant_key,
 )
 from tests.fault.conftest import FAULT_ENV, Up, start_up, wait_for
 from tests.unit.engine_support import shared_cache_dir
-from treadle.client.admin import AdminClient
 from treadle.platform.embedded import free_port
 
 pytestmark = pytest.mark.integration
@@ -100,23 +100,11 @@ def nodes_up() -> Iterator[Up]:
 def test_a_group_of_two_nodes_trains_as_one_process_bit_for_bit(
     nodes_up: Up, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    admin = AdminClient(nodes_up.base_url, nodes_up.admin_key)
-    try:
-        key = str(admin.create_tenant("nodes")["api_key"])
-    finally:
-        admin.close()
-    model_id, steps, samples = sdk_loop(nodes_up, key)
+    model_id, steps, samples = sdk_loop(nodes_up, tenant_key(nodes_up, "nodes"))
     expected = one_process(shared_cache_dir(tmp_path_factory))
     check_same(expected, steps, recorded_states(nodes_up, model_id), samples)
 
-    env = {**os.environ, "TREADLE_BASE_URL": nodes_up.base_url,
-           "TREADLE_API_KEY": nodes_up.admin_key}  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "treadle.cli", "status", "--json"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    (worker,) = [w for w in json.loads(done.stdout)["workers"] if w["is_alive"]]
+    worker = live_worker(nodes_up)
     assert (worker["id"], worker["world_size"], worker["layout"]) == (GROUP_ID, 2, "replicated")
     assert Path(nodes_up.data_dir / "node1.log").stat().st_size > 0
 

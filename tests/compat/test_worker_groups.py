@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import sqlalchemy as sa
@@ -171,13 +172,30 @@ def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return one_process(shared_cache_dir(tmp_path_factory))
 
 
-@pytest.fixture(scope="module")
-def key(group_up: Up) -> str:
-    admin = AdminClient(group_up.base_url, group_up.admin_key)
+def tenant_key(up: Up, tenant: str) -> str:
+    """The API key of a new tenant of `up`."""
+    admin = AdminClient(up.base_url, up.admin_key)
     try:
-        return str(admin.create_tenant("groups")["api_key"])
+        return str(admin.create_tenant(tenant)["api_key"])
     finally:
         admin.close()
+
+
+def live_worker(up: Up) -> dict[str, Any]:
+    """The one live worker as `treadle status --json` shows it."""
+    env = {**os.environ, "TREADLE_BASE_URL": up.base_url, "TREADLE_API_KEY": up.admin_key}
+    done = subprocess.run(
+        [sys.executable, "-m", "treadle.cli", "status", "--json"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (worker,) = [w for w in json.loads(done.stdout)["workers"] if w["is_alive"]]
+    return worker  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def key(group_up: Up) -> str:
+    return tenant_key(group_up, "groups")
 
 
 def rank_pids() -> dict[int, int]:
@@ -226,20 +244,13 @@ def test_a_session_on_a_group_of_two_equals_one_process_bit_for_bit(
     check_same(expected, steps, recorded_states(group_up, model_id), samples)
 
 
-def test_status_shows_the_group(group_up: Up, request: pytest.FixtureRequest) -> None:
-    env = {
-        **os.environ,
-        "TREADLE_BASE_URL": group_up.base_url,
-        "TREADLE_API_KEY": group_up.admin_key,
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "treadle.cli", "status", "--json"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    (worker,) = [w for w in json.loads(done.stdout)["workers"] if w["is_alive"]]
-    assert worker["world_size"] == 2
-    assert worker["layout"] == request.node.callspec.params["group_up"]
+def test_status_and_metrics_show_the_group(group_up: Up, request: pytest.FixtureRequest) -> None:
+    layout = request.node.callspec.params["group_up"]
+    worker = live_worker(group_up)
+    assert (worker["world_size"], worker["layout"]) == (2, layout)
+    metrics = httpx.get(worker["metrics_url"], timeout=10).text
+    ranks = f'treadle_group_ranks{{layout="{layout}",worker="{worker["id"]}"}} 2.0'
+    assert ranks in metrics.splitlines(), metrics
 
 
 @pytest.mark.parametrize(("rank", "op"), [(1, "forward_backward"), (0, "optim_step")])

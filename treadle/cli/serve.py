@@ -38,15 +38,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     up.add_argument("--port", type=int, default=8080)
     up.add_argument("--data-dir", type=Path, default=None)
     up.add_argument("--workers", type=int, default=1)
-    up.add_argument(
-        "--devices", type=int, default=1,
-        help="each worker a group of this many ranks (torch.distributed; one device each)",
-    )  # fmt: skip
-    up.add_argument(
-        "--layout", choices=GROUP_LAYOUTS, default=None,
-        help="with --devices: replicated (every rank holds the whole base model) or sharded "
-        "(each decoder layer split across the ranks, FSDP2); overrides TREADLE_GROUP_LAYOUT",
-    )  # fmt: skip
+    _add_group_options(
+        up, "each worker a group of this many ranks (torch.distributed; one device each)"
+    )
     up.add_argument(
         "--log-format", choices=logs.FORMATS, default=None,
         help="json (one object a line, the default) or human; overrides TREADLE_LOG_FORMAT "
@@ -55,18 +49,22 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     worker = sub.add_parser("worker", help="run one Celery worker that hosts sessions")
     worker.add_argument("--worker-id", default=None)
     worker.add_argument("--index", type=int, default=0)
-    worker.add_argument(
-        "--devices", type=int, default=1,
-        help="run the worker as a group of this many ranks on this host (torch.distributed: "
-        "NCCL on GPUs, gloo on the CPU), launched as torchrun launches",
-    )  # fmt: skip
-    worker.add_argument(
-        "--layout", choices=GROUP_LAYOUTS, default=None,
-        help="with --devices: replicated or sharded base models (see treadle up --layout); "
-        "overrides TREADLE_GROUP_LAYOUT",
-    )  # fmt: skip
+    _add_group_options(
+        worker,
+        "run the worker as a group of this many ranks on this host (torch.distributed: NCCL on "
+        "GPUs, gloo on the CPU), launched as torchrun launches",
+    )
     migrate = sub.add_parser("migrate", help="upgrade the database schema to the latest version")
     migrate.add_argument("--data-dir", type=Path, default=None)
+
+
+def _add_group_options(parser: argparse.ArgumentParser, devices_help: str) -> None:
+    parser.add_argument("--devices", type=int, default=1, help=devices_help)
+    parser.add_argument(
+        "--layout", choices=GROUP_LAYOUTS, default=None,
+        help="with --devices: replicated (every rank holds the whole base model) or sharded "
+        "(each decoder layer split across the ranks, FSDP2); overrides TREADLE_GROUP_LAYOUT",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

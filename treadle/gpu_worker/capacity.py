@@ -6,9 +6,9 @@ SmolLM2 GGUF's package installed) and its weights, with a tenth more for the ada
 optimizer state and activations of its sessions, fit the worker's memory budget: the device's
 memory (the GPU's, or the host's on the CPU), or TREADLE_WORKER_MODEL_MEMORY bytes. A group in
 the sharded layout holds a model's weights split across its ranks: each rank needs its share
-(the embeddings and output head, whole on every rank, are counted as shared too: an estimate). Each model is
-checked once per process (a registry entry never changes). Must not import flask, sqlalchemy,
-celery or treadle.api.
+(the embeddings and output head, whole on every rank, are counted as split too: an estimate).
+Each model is checked once per process (a registry entry never changes). Must not import flask,
+sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations

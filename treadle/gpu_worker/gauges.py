@@ -4,10 +4,10 @@
 (TREADLE_WORKER_METRICS_PORT; 0 or a port in use: any free one) and returns the URL that goes
 into the worker's heartbeat ("metrics_url"). The gauges (operations in flight and queued, live
 sessions, adapters and snapshots in memory and paged out, device memory by rank, a worker
-group's ranks) are read at scrape time by
-`WorkerGauges`, never refreshed on a timer; reading them never waits for a running operation
-(a group's other ranks report their memory at rank 0's pings, between operations). The counters and histograms are `telemetry`'s. No session, request or key ids in
-labels. Imports platform only; never api.
+group's ranks) are read at scrape time by `WorkerGauges`, never refreshed on a timer; reading
+them never waits for a running operation (a group's other ranks report their memory at rank 0's
+pings, between operations). The counters and histograms are `telemetry`'s. No session, request
+or key ids in labels. Imports platform only; never api.
 """
 
 from __future__ import annotations

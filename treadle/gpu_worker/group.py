@@ -120,10 +120,11 @@ class Group:
         """The passes this rank runs: its parts, each with True; in the sharded layout, where
         every pass is a collective, as many as the rank with the most, the extra ones (False:
         computed, then dropped) on the request's smallest part."""
-        mine = [(p, True) for p in self.assign(tokens_P)]
+        owners = self.owners(tokens_P)
+        mine = [(p, True) for p, r in enumerate(owners) if r == self.rank]
         if not self.sharded or not tokens_P:
             return mine
-        most = max(self.owners(tokens_P).count(r) for r in range(self.world_size))
+        most = max(owners.count(r) for r in range(self.world_size))
         smallest = min(range(len(tokens_P)), key=lambda p: (tokens_P[p], p))
         return mine + [(smallest, False)] * (most - len(mine))
 

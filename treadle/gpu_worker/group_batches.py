@@ -105,14 +105,14 @@ class _Share:
         for key, sent in list(self._sent.items()):
             if key in done:
                 del self._sent[key]
-                self._stopped.discard(key)
                 continue
             tokens_N, logprobs_N = self.batch.drawn(key)
-            sent.extend([0] * (len(tokens_N) - len(sent)))
+            sent = sent or [0] * len(tokens_N)
             drawn[key] = [
                 (t[s:], lp[s:]) for t, lp, s in zip(tokens_N, logprobs_N, sent, strict=True)
             ]
             self._sent[key] = [len(t) for t in tokens_N]
+        self._stopped -= done
         return _Report(finished, drawn)
 
 
