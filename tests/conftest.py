@@ -152,6 +152,9 @@ def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         "TREADLE_LONG_POLL_SECONDS": "5",
         # Recovery points every few steps, so forks start from one (tests/integration/test_lineage)
         "TREADLE_AUTO_CHECKPOINT_STEPS": "3",
+        # SigV4 scopes it accepts: a request signed for another region is refused
+        # (tests/compat/test_sagemaker_routes.py)
+        "TREADLE_AWS_REGIONS": "us-west-2,us-east-1",
     }
     log = open(data_dir / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from cryptography.fernet import Fernet
 from flask import Flask
 from flask.testing import FlaskClient
 
@@ -68,6 +69,7 @@ def running_secure_app(services: Any) -> Iterator[SecureApp]:
             redis_url=redis_url,
             data_dir=data_dir,
             admin_key=operator_key,
+            secrets_key=Fernet.generate_key().decode(),  # access key pairs can be minted
             long_poll_seconds=0.5,
             lease_ttl_seconds=24 * 3600,  # the fake worker's one heartbeat keeps it alive
         )

@@ -19,6 +19,7 @@ __all__ = [
     "SamplingParams",
     "ServiceClient",
     "TensorData",
+    "TensorDtype",
     "TrainingClient",
 ]
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
         SamplingParams,
         ServiceClient,
         TensorData,
+        TensorDtype,
         TrainingClient,
     )
 

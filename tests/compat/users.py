@@ -4,9 +4,13 @@ Treadle (`user_env`), and tinker-cookbook's RL datum of a recorded sample (`prov
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 from tinker import types
+
+from tests.conftest import Platform
+from treadle.client.admin import AdminClient
 
 
 def user_env(base_url: str, key: str, hf_home: Path, **extra: str) -> dict[str, str]:
@@ -20,6 +24,52 @@ def user_env(base_url: str, key: str, hf_home: Path, **extra: str) -> dict[str, 
         TINKER_BASE_URL=base_url,
         TINKER_API_KEY=key,
         TINKER_TELEMETRY="0",
+        HF_HOME=str(hf_home),
+        **extra,
+    )
+    return env
+
+
+def new_aws_user(platform: Platform, name: str) -> dict[str, str]:
+    """A new tenant `<name>-<random>` and its admin's key minted with an access key pair, as
+    `treadle keys create --aws` mints it: tenant_id, api_key, access_key_id, secret_access_key."""
+    operator = AdminClient(platform.base_url, platform.admin_key)
+    try:
+        tenant = operator.create_tenant(f"{name}-{secrets.token_hex(3)}")
+    finally:
+        operator.close()
+    admin = AdminClient(platform.base_url, tenant["api_key"])
+    try:
+        minted = admin.create_key(aws=True)
+    finally:
+        admin.close()
+    return {
+        "tenant_id": tenant["tenant"]["id"],
+        "api_key": minted["api_key"],
+        "access_key_id": minted["access_key_id"],
+        "secret_access_key": minted["secret_access_key"],
+    }
+
+
+def aws_user_env(
+    base_url: str, user: dict[str, str], hf_home: Path, **extra: str
+) -> dict[str, str]:
+    """A SageMaker SDK user's environment pointed at a Treadle, as docs/sagemaker.md gives it:
+    this process's, less every AWS_, HF_ and TREADLE_ setting, then AWS_ENDPOINT_URL (every
+    client: control plane, Hub, registry, runtime), the access key pair, AWS_REGION, and
+    HF_ENDPOINT for get_tokenizer(); no AWS config files, no instance metadata."""
+    prefixes = ("AWS_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TINKER_", "TREADLE_",
+                "SAGEMAKER_")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env.update(
+        AWS_ENDPOINT_URL=base_url,
+        AWS_ACCESS_KEY_ID=user["access_key_id"],
+        AWS_SECRET_ACCESS_KEY=user["secret_access_key"],
+        AWS_REGION="us-west-2",
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        AWS_EC2_METADATA_DISABLED="true",
+        HF_ENDPOINT=f"{base_url}/hf",
         HF_HOME=str(hf_home),
         **extra,
     )

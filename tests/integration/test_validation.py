@@ -53,6 +53,9 @@ CASES = [
     ("clip high out of range", "cispo", [rl_datum()], {"clip_high_threshold": 11.0}, "clip_high_threshold'] = 11.0 is out of range for cispo; it must be between 1.0 and 10.0"),
     ("negative beta", "dro", [rl_datum()], {"beta": -0.1}, "'beta'] = -0.1 is out of range for dro; it must be at least 0.0"),
     ("nan advantages", "ppo", [rl_datum(advantages=[1.0, float("nan"), 1.0])], None, "datum 0: loss_fn_inputs['advantages'] contains NaN"),
+    ("weights on dro", "dro", [rl_datum(weights=[1.0] * 3)], None, "datum 0: loss_fn_inputs has ['weights'], which loss 'dro' does not read"),
+    ("mis-shaped weights", "ppo", [rl_datum(), rl_datum(weights=[1.0, 0.0])], None, "datum 1: weights has shape [2]"),
+    ("nan weights", "cispo", [rl_datum(weights=[1.0, float("nan"), 1.0])], None, "datum 0: loss_fn_inputs['weights'] contains NaN"),
     ("target out of vocabulary", "cross_entropy", [datum([1, 2, 3]), datum([1, 2, 10**7])], None, "datum 1: target_tokens has token id 10000000"),
 ]  # fmt: skip
 
@@ -72,13 +75,23 @@ def test_rejection_is_400_and_appends_nothing(
 
 
 def test_every_loss_is_accepted_and_reports_loss_sum(model) -> None:
+    """Every loss, then the RL losses that take the optional per-token `weights` mask with it:
+    all-zero weights leave nothing of the loss."""
     client, model_id = model
     seq = 1  # the rejected requests above used seq 1 and appended nothing
-    for loss_fn in ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro"):
-        data = [datum([1, 2, 3, 4, 5])] if loss_fn == "cross_entropy" else [rl_datum(4)]
+    calls: list[tuple[str, list[types.Datum], float | None]] = [
+        (loss_fn, [datum([1, 2, 3, 4, 5])] if loss_fn == "cross_entropy" else [rl_datum(4)], None)
+        for loss_fn in ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+    ]
+    for loss_fn in ("importance_sampling", "ppo", "cispo"):
+        calls.append((loss_fn, [rl_datum(4, weights=[0.0, 1.0, 1.0, 0.5])], None))
+        calls.append((loss_fn, [rl_datum(4, weights=[0.0] * 4)], 0.0))
+    for loss_fn, data, expected_sum in calls:
         response = client.forward_backward(model_id, seq, data, loss_fn=loss_fn)
         assert response.status_code == 200, response.text
         out = client.result(response.json()["request_id"])
         assert "loss:sum" in out.metrics
+        if expected_sum is not None:
+            assert out.metrics["loss:sum"] == expected_sum
         assert len(out.loss_fn_outputs[0]["logprobs"].tolist()) == 4
         seq += 1

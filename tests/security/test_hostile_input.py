@@ -113,6 +113,8 @@ def test_deep_nesting_is_refused_on_every_json_route(secure: SecureApp) -> None:
     for rule in secure.app.url_map.iter_rules():
         if rule.endpoint == "training.forward_backward":
             continue  # protobuf
+        if rule.endpoint.startswith("sagemaker."):
+            continue  # signed requests: test_sagemaker_surface.py sends them this body
         for method in sorted((rule.methods or set()) & {"POST", "PUT", "PATCH"}):
             before = secure.event_count()
             answer = secure.call(method, _url(rule), secure.operator_key, **raw_json(deep))

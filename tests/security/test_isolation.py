@@ -135,8 +135,21 @@ def _fb(model_id: str) -> bytes:
 NO_ID = "no id: nothing of another tenant to reach"
 Cases = Callable[[dict[str, str]], list[Case]]
 
+SIGNED = (
+    "signed with SigV4, not X-API-Key: tests/security/test_sagemaker_surface.py "
+    "(test_another_tenants_names_and_operations_do_not_exist) reaches for tenant A's names, "
+    "operations and packages with tenant B's access key"
+)
+
 # endpoint -> the requests tenant B makes with tenant A's ids (or why there are none).
 CASES: dict[str, Cases | str] = {
+    "sagemaker.dispatch": SIGNED,
+    "sagemaker.execute_training_operation": SIGNED,
+    "sagemaker.get_training_operation_result": SIGNED,
+    "sagemaker.execute_sampling_operation": SIGNED,
+    "sagemaker.get_sampling_operation_result": SIGNED,
+    "sagemaker.sample_training_session": SIGNED,
+    "sagemaker.sample_training_session_with_response_stream": SIGNED,
     "sessions.healthz": NO_ID,
     "docs.openapi_document": NO_ID,
     "metrics.prometheus_metrics": "counts by route, type and reason only: no id to name",

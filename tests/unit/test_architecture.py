@@ -134,8 +134,19 @@ PLATFORM_LAYERS = {
     "operations": {"eventlog", "tenancy", "sessions", "billing"},
     "audit": {"eventlog", "tenancy", "sessions", "billing", "operations"},
     "serving": {"eventlog", "models", "tenancy", "sessions", "checkpoints", "operations"},
+    # SageMaker's resources: named sessions over `operations`' commands, packages over
+    # checkpoints, the Hub over the model registry.
+    "sagemaker": {
+        "eventlog",
+        "models",
+        "tenancy",
+        "sessions",
+        "checkpoints",
+        "billing",
+        "operations",
+    },
 }
-API_SURFACES = {"tinker", "treadle", "openai"}
+API_SURFACES = {"tinker", "treadle", "openai", "sagemaker"}
 # The shared modules of treadle/api that reach into the surfaces: the app factory registers
 # their blueprints, the OpenAPI document describes their bodies.
 API_ASSEMBLERS = {"treadle.api.app", "treadle.api.openapi"}

@@ -25,6 +25,7 @@ from engine_support import (
 )
 
 from treadle.gpu_worker.engine import Engine, EngineDatum, LoraSpec
+from treadle.gpu_worker.losses import LOSSES
 from treadle.platform.errors import ValidationError
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -386,6 +387,26 @@ def _rl_datum(**extra: Sequence[float]) -> EngineDatum:
             "ok",
         ),
         ("ppo", _rl_datum(clip_low_threshold=(0.8, 1.5, 0.8)), "clip_low_threshold = 1.5"),
+        ("importance_sampling", _rl_datum(weights=(0.0, 1.0, 0.5)), "ok"),
+        ("ppo", _rl_datum(weights=(0.0, 1.0, 1.0)), "ok"),
+        ("cispo", _rl_datum(weights=(2.0, 0.0, 0.25)), "ok"),
+        (
+            "dro",
+            _rl_datum(weights=(1.0, 1.0, 1.0)),
+            r"has \['weights'\], which loss 'dro' does not",
+        ),
+        (
+            "gspo",
+            _rl_datum(sequence_ratio_mask=(1, 1, 1), weights=(1.0, 1.0, 1.0)),
+            r"has \['weights'\], which loss 'gspo' does not",
+        ),
+        ("ppo", _rl_datum(weights=(1.0, 0.0)), r"datum 0: weights has shape \[2\] but model_input"),
+        ("cispo", _rl_datum(weights=(1.0, float("nan"), 1.0)), "datum 0: weights must hold finite"),
+        (
+            "importance_sampling",
+            _rl_datum(weights=(float("inf"), 1.0, 1.0)),
+            "datum 0: weights must hold finite",
+        ),
     ],
     ids=[
         "stable-reinforce-unrecorded",
@@ -399,6 +420,14 @@ def _rl_datum(**extra: Sequence[float]) -> EngineDatum:
         "clip-ok",
         "gspo-clip",
         "clip-low-range",
+        "is-weights",
+        "ppo-weights",
+        "cispo-weights",
+        "dro-weights",
+        "gspo-weights",
+        "weights-length",
+        "weights-nan",
+        "weights-inf",
     ],
 )
 def test_loss_inputs_are_served_or_refused_by_name(
@@ -411,6 +440,140 @@ def test_loss_inputs_are_served_or_refused_by_name(
         return
     with pytest.raises(ValidationError, match=message):
         engine.forward_backward(adapter, [datum], loss_fn, forward_only=True)
+
+
+# -- weights: a per-token mask on importance_sampling, ppo and cispo ------------------------------
+
+MASKED_LOSSES = ("importance_sampling", "ppo", "cispo")
+LONG_TOKENS, LONG_TARGETS = (7, 8, 9, 10, 11), (8, 9, 10, 11, 12)
+# (ratio, advantage) per token of the second datum: ppo clips tokens 0, 1 and 3
+LONG_RATIOS, LONG_ADVANTAGES = (0.5, 1.3, 1.0, 2.0, 0.9), (-1.0, 1.0, 0.5, 0.7, -2.0)
+WEIGHTS = {
+    # SageMaker's GSM8K example: 0 on prompt tokens, 1 on sampled ones
+    "mask": ((0.0, 1.0, 1.0), (0.0, 0.0, 1.0, 1.0, 1.0)),
+    "fractional": ((0.25, 1.5, 0.0), (2.0, 0.125, 0.3, 1.0, 0.6)),
+}
+
+
+def weighted_loss(
+    loss_fn: str, lp: torch.Tensor, x: dict[str, torch.Tensor], config: dict[str, float]
+) -> torch.Tensor:
+    """Each token's term times its weight w_t, written out per loss (docs/losses-and-sampling.md):
+    -w·r·A, -w·min(r·A, clip(r)·A), -w·sg(clip(r))·lp·A."""
+    w, adv, ratio = x["weights"], x["advantages"], torch.exp(lp - x["logprobs"])
+    clipped = torch.clamp(
+        ratio, config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    )
+    if loss_fn == "importance_sampling":
+        return -w * ratio * adv
+    if loss_fn == "ppo":
+        return -w * torch.minimum(ratio * adv, clipped * adv)
+    assert loss_fn == "cispo"
+    return -w * clipped.detach() * lp * adv
+
+
+def rl_data(
+    cache_dir: Path, hand: HandLora, weights: Sequence[Sequence[float]] | None
+) -> tuple[list[EngineDatum], list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Two datums of different lengths (one padded pass) whose "sampler" logprobs put each
+    token's ratio where RATIOS and LONG_RATIOS say, with `weights` (None: sent without); and
+    their reference logprobs and inputs (weights all ones where not sent)."""
+    data, lps, xs = [], [], []
+    specs = ((TOKENS, TARGETS, RATIOS, ADVANTAGES), (LONG_TOKENS, LONG_TARGETS, LONG_RATIOS,
+             LONG_ADVANTAGES))  # fmt: skip
+    for i, (tokens, targets, ratios, advantages) in enumerate(specs):
+        lp_T = reference_logprobs(cache_dir, tokens, targets, hand)
+        q_T = lp_T.detach() - torch.log(torch.tensor(ratios))
+        inputs = {
+            "target_tokens": np.asarray(targets, np.int64),
+            "logprobs": q_T.numpy().astype(np.float32),
+            "advantages": np.asarray(advantages, np.float32),
+        }
+        if weights is not None:
+            inputs["weights"] = np.asarray(weights[i], np.float32)
+        x = {k: torch.from_numpy(v) for k, v in inputs.items() if k != "target_tokens"}
+        x.setdefault("weights", torch.ones(len(targets)))
+        data.append(EngineDatum(tuple(tokens), inputs))
+        lps.append(lp_T)
+        xs.append(x)
+    return data, lps, xs
+
+
+@pytest.mark.parametrize("weights", sorted(WEIGHTS))
+@pytest.mark.parametrize("loss_fn", MASKED_LOSSES)
+def test_weights_mask_each_token_like_the_written_out_reference(
+    engine: Engine, cache_dir: Path, loss_fn: str, weights: str
+) -> None:
+    adapter, hand = prepared_adapter(engine, seed=31)
+    data, lps, xs = rl_data(cache_dir, hand, WEIGHTS[weights])
+    expected = [weighted_loss(loss_fn, lp_T, x, {}) for lp_T, x in zip(lps, xs, strict=True)]
+
+    out = engine.forward_backward(adapter, data, loss_fn)
+
+    total = sum(e.sum() for e in expected)
+    assert out.metrics["loss:sum"] == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-5)
+    for got, lp_T, expected_T, x in zip(out.outputs, lps, expected, xs, strict=True):
+        np.testing.assert_allclose(got["logprobs"], lp_T.detach().numpy(), **TOL)
+        np.testing.assert_allclose(got["elementwise_loss"], expected_T.detach(), **TOL)
+        # a weight of 0 removes the token: its term is exactly 0 (its gradient with it)
+        assert (got["elementwise_loss"][x["weights"].numpy() == 0] == 0).all()
+    assert_same_grads(engine.adapter_grads(adapter), hand.grads(total))
+
+
+@pytest.mark.parametrize("loss_fn", MASKED_LOSSES)
+def test_all_ones_weights_equal_no_weights_bit_for_bit(
+    engine: Engine, cache_dir: Path, loss_fn: str
+) -> None:
+    with_ones, without = prepared_adapter(engine, seed=32), prepared_adapter(engine, seed=32)
+    ones = [np.ones(len(TARGETS)), np.ones(len(LONG_TARGETS))]
+    sent, _, _ = rl_data(cache_dir, with_ones[1], ones)
+    omitted, _, _ = rl_data(cache_dir, without[1], None)
+
+    a = engine.forward_backward(with_ones[0], sent, loss_fn)
+    b = engine.forward_backward(without[0], omitted, loss_fn)
+
+    assert a.metrics == b.metrics
+    for got, expected in zip(a.outputs, b.outputs, strict=True):
+        for key in ("logprobs", "elementwise_loss"):
+            np.testing.assert_array_equal(got[key], expected[key])
+    assert engine.state_hashes(with_ones[0]) == engine.state_hashes(without[0])
+    grads = engine.adapter_grads(without[0])
+    assert any(np.abs(g).max() > 0 for g in grads.values())
+
+
+def test_a_mask_of_ones_leaves_each_formula_bit_for_bit() -> None:
+    """The engine's loss functions with weights of 1 against the formulas as they were before
+    the mask existed: values and gradients equal bit for bit (multiplying by 1.0 is exact)."""
+    generator = torch.Generator().manual_seed(5)
+    shape = (3, 17)
+    x = {
+        "logprobs": -torch.rand(shape, generator=generator) * 4,
+        "advantages": torch.randn(shape, generator=generator),
+        "clip_low_threshold": torch.full(shape, 0.8),
+        "clip_high_threshold": torch.full(shape, 1.2),
+        "weights": torch.ones(shape),
+    }
+    lp_start = x["logprobs"] + torch.randn(shape, generator=generator) * 0.3
+    before = {
+        "importance_sampling": lambda lp: -torch.exp(lp - x["logprobs"]) * x["advantages"],
+        "ppo": lambda lp: (
+            -torch.minimum(
+                torch.exp(lp - x["logprobs"]) * x["advantages"],
+                torch.clamp(torch.exp(lp - x["logprobs"]), 0.8, 1.2) * x["advantages"],
+            )
+        ),
+        "cispo": lambda lp: (
+            -torch.clamp(torch.exp(lp - x["logprobs"]).detach(), 0.8, 1.2) * lp * x["advantages"]
+        ),
+    }
+    for name, formula in before.items():
+        lp_new, lp_old = lp_start.clone().requires_grad_(), lp_start.clone().requires_grad_()
+        new, old = LOSSES[name].compute(lp_new, x, {}), formula(lp_old)
+        assert torch.equal(new, old), name
+        upstream = torch.randn(shape, generator=generator)
+        (grad_new,) = torch.autograd.grad(new, lp_new, upstream)
+        (grad_old,) = torch.autograd.grad(old, lp_old, upstream)
+        assert torch.equal(grad_new, grad_old), name
 
 
 # -- stable_reinforce (Treadle's definition, docs/losses-and-sampling.md) --------------------

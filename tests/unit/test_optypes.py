@@ -41,6 +41,10 @@ EXAMPLES = {
         prompt_logprobs=False,
         params=optypes.SamplingParams(max_tokens=4),
     ),  # fmt: skip
+    OpType.LOAD_SAMPLER_WEIGHTS: optypes.LoadSamplerWeights(
+        snapshot_id="checkpoint:tinker://sess-1:train:0/weights/state-000003",
+        checkpoint_prefix="tenants/t/sessions/sess-1:train:0/weights/state-000003",
+    ),
     OpType.REBUILD: optypes.Rebuild(
         source_session_id="sess-1:train:0",
         to_seq=7,
@@ -86,8 +90,9 @@ def test_sampler_snapshots_are_replayed_but_change_no_state() -> None:
     assert not EXAMPLES[OpType.SAVE_WEIGHTS].is_replayed
 
 
-def test_only_samples_run_outside_the_seq_order() -> None:
-    assert [t for t, p in EXAMPLES.items() if not p.is_ordered] == [OpType.SAMPLE]
+def test_only_a_samplers_operations_run_outside_the_seq_order() -> None:
+    unordered = [t for t, p in EXAMPLES.items() if not p.is_ordered]
+    assert unordered == [OpType.SAMPLE, OpType.LOAD_SAMPLER_WEIGHTS]
 
 
 def test_a_damaged_payload_names_its_type() -> None:

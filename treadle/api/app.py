@@ -19,6 +19,7 @@ from redis.retry import Retry
 from treadle.api import auth, errors, routes_docs, routes_metrics, telemetry
 from treadle.api.context import Services
 from treadle.api.openai import routes as routes_openai
+from treadle.api.sagemaker import routes as routes_sagemaker
 from treadle.api.tinker import routes_billing as routes_tinker_billing
 from treadle.api.tinker import (
     routes_checkpoint_sharing,
@@ -115,6 +116,7 @@ def create_app(config: PlatformConfig) -> Flask:
         routes_status,
         routes_metrics,
         routes_openai,
+        routes_sagemaker,
     ):
         app.register_blueprint(module.bp)
 
@@ -130,6 +132,8 @@ def create_app(config: PlatformConfig) -> Flask:
             raise ValidationError("the URL contains a NUL character; remove it")
         if request.path in PUBLIC_PATHS or request.path.startswith(PUBLIC_PREFIXES):
             return
+        if request.blueprint == routes_sagemaker.bp.name:
+            return  # signed with SigV4: the blueprint checks its own signatures
         key = request.headers.get("X-API-Key")
         if key is None and request.path.startswith("/v1/"):  # OpenAI clients send a bearer token
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")

@@ -60,8 +60,9 @@ def read_json(request: Request) -> Any:
     return loads(raw)
 
 
-def loads(raw: bytes) -> Any:
-    """Parse a JSON body within the limits (see the module docstring)."""
+def loads(raw: bytes, *, max_values: int = MAX_JSON_VALUES) -> Any:
+    """Parse a JSON body within the limits (see the module docstring); `max_values` raises the
+    value limit for a surface whose clients send larger bodies."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -74,9 +75,9 @@ def loads(raw: bytes) -> Any:
             f"the JSON body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; "
             f"flatten it to at most {MAX_JSON_DEPTH} levels"
         )
-    if values > MAX_JSON_VALUES:
+    if values > max_values:
         raise ValidationError(
-            f"the JSON body holds about {values} values; at most {MAX_JSON_VALUES} are accepted "
+            f"the JSON body holds about {values} values; at most {max_values} are accepted "
             "in one request: send fewer or split the request"
         )
     refused: list[_Refused] = []

@@ -38,7 +38,7 @@ def register(app: Flask, svc: Services) -> None:
     def treadle_error(exc: TreadleError) -> Any:
         if isinstance(exc, UnavailableError):
             return unavailable(exc, svc.config.long_poll_seconds)
-        _remember_refusal(svc, exc.status)
+        remember_refusal(svc, exc.status)
         if isinstance(exc, LimitError):
             return refused_by_quota(exc)
         return jsonify(error={"code": exc.code, "message": exc.message}), exc.status
@@ -124,7 +124,7 @@ def refused_by_quota(exc: LimitError) -> Response:
     return response
 
 
-def _remember_refusal(svc: Services, status: int) -> None:
+def remember_refusal(svc: Services, status: int) -> None:
     """A training request refused at admission (a 4xx the SDK does not retry): record its seq_id
     so the session's next operation does not wait for it, and wake the session's worker."""
     seq = g.pop("training_seq", None)

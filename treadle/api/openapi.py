@@ -17,7 +17,7 @@ from typing import Any
 from flask import Flask
 from pydantic import BaseModel
 
-from treadle.api.openai import schemas as schemas_openai
+from treadle.api.chat import schemas as schemas_openai
 from treadle.api.tinker import schemas
 from treadle.api.tinker import schemas_client_sessions as schemas_sessions
 from treadle.api.tinker import schemas_extras as schemas_tinker_extras
@@ -167,8 +167,10 @@ ROUTES: dict[str, RouteDoc] = {
     "admin.enable_tenant": RouteDoc("Enable a disabled tenant again (operator)", "admin",
                                     errors=(401, 403, 404)),
     "admin.create_key": RouteDoc(
-        "Create a key, shown once (a tenant admin for its tenant; the operator for any)",
-        "admin", body=schemas_admin.CreateKey, errors=(400, 401, 403, 404),
+        "Create a key, shown once (a tenant admin for its tenant; the operator for any); "
+        "aws: also an access key pair for SigV4, its secret shown once (409 without "
+        "TREADLE_SECRETS_KEY)",
+        "admin", body=schemas_admin.CreateKey, errors=(400, 401, 403, 404, 409),
     ),
     "admin.list_keys": RouteDoc("A tenant's keys, never their secrets", "admin",
                                 query=(("tenant_id", "string", False),), errors=(400, 401, 403)),
@@ -351,9 +353,19 @@ ROUTES: dict[str, RouteDoc] = {
 _CONVERTER = re.compile(r"<(?:[a-z_]+:)?([a-z_]+)>")
 
 
+# SageMaker's routes speak AWS's protocols, signed with SigV4: botocore's service models
+# (`sagemaker`, `sagemakertrainingsessionruntime`) describe them, and the surface validates
+# every request against those (api/sagemaker/shapes.py), so this document leaves them out.
+SIGNED_BLUEPRINTS = ("sagemaker",)
+
+
 def undocumented(app: Flask) -> tuple[list[str], list[str]]:
     """(endpoints the app serves that ROUTES does not describe, entries of ROUTES it lacks)."""
-    served = {rule.endpoint for rule in app.url_map.iter_rules()}
+    served = {
+        rule.endpoint
+        for rule in app.url_map.iter_rules()
+        if rule.endpoint.partition(".")[0] not in SIGNED_BLUEPRINTS
+    }
     return sorted(served - set(ROUTES)), sorted(set(ROUTES) - served)
 
 

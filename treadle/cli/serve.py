@@ -10,6 +10,7 @@ runs, so the client's verbs start without it.
 from __future__ import annotations
 
 import argparse
+import base64
 import logging
 import os
 import secrets
@@ -143,6 +144,29 @@ def _admin_key(config: PlatformConfig) -> str:
     return path.read_text().strip()
 
 
+def _secrets_key(config: PlatformConfig) -> str:
+    """TREADLE_SECRETS_KEY, else a Fernet key generated once and kept (mode 600) under the data
+    dir: access key secrets are encrypted under it, so it must outlive restarts."""
+    if config.secrets_key:
+        return config.secrets_key
+    path = config.data_dir / "secrets_key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written whole under another name with its mode, then linked into place: never
+        # readable by others, never seen half written, and a key already there is kept.
+        draft = path.with_name(f".secrets_key.{os.getpid()}")
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(base64.urlsafe_b64encode(secrets.token_bytes(32)).decode() + "\n")
+        try:
+            os.link(draft, path)
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
+    return path.read_text().strip()
+
+
 def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int, devices: int = 1) -> int:
     from waitress.server import create_server
 
@@ -176,7 +200,8 @@ def cmd_up(config: PlatformConfig, host: str, port: int, n_workers: int, devices
         )
         config = PlatformConfig.from_env(
             {**os.environ, **config.with_services(database_url, redis_url).to_env(),
-             "TREADLE_ADMIN_KEY": _admin_key(config)}
+             "TREADLE_ADMIN_KEY": _admin_key(config),
+             "TREADLE_SECRETS_KEY": _secrets_key(config)}
         )  # fmt: skip
         db.migrate(config.database_url)
         log_dir = config.data_dir / "logs"
@@ -254,6 +279,8 @@ def _worker_processes(
     # A worker serves its own metrics: in the API's multiprocess folder they would be summed
     # into the API's /metrics too, and counted twice.
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    # Only the API mints access keys and checks signatures: no worker holds their secrets' key.
+    env.pop("TREADLE_SECRETS_KEY", None)
     workers = []
     for i in range(n_workers):
         worker_id = default_worker_id(config, i)

@@ -4,7 +4,8 @@ scripts can use.
 
 The operator's key (TREADLE_ADMIN_KEY) creates, lists, disables and enables tenants; a tenant
 admin's key creates, lists and revokes its own tenant's keys (the operator's, any tenant's).
-A minted key's text (`api_key`) is returned once and never again.
+A minted key's text (`api_key`), and an access key pair's secret (`secret_access_key`), are
+returned once and never again.
 Imports nothing from the server side.
 """
 
@@ -48,22 +49,40 @@ class AdminClient(RestClient):
         return self._ok(self.http.post(f"/tenants/{segment(tenant_id)}/enable"))["tenant"]  # type: ignore[no-any-return]
 
     def create_key(
-        self, tenant_id: str | None = None, role: str = "member", name: str | None = None
+        self,
+        tenant_id: str | None = None,
+        role: str = "member",
+        name: str | None = None,
+        *,
+        aws: bool = False,
     ) -> dict[str, Any]:
-        """Mint a key (`admin` or `member`) of `tenant_id`, the caller's tenant by default.
+        """Mint a key (`admin` or `member`) of `tenant_id`, the caller's tenant by default;
+        with `aws`, also an AWS-style access key pair of the same key, for SigV4-signed
+        requests (SageMaker's SDK and boto3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY).
 
         Returns:
-            `{key, api_key}`: the key's record and its text (shown once).
+            `{key, api_key}`: the key's record and its text (shown once); with `aws`, also
+            `access_key_id` and `secret_access_key` (the secret shown once).
+        Raises:
+            TreadleApiError: 403 for a key that may not mint for the tenant, 409 for a disabled
+            tenant or (with `aws`) a server without TREADLE_SECRETS_KEY.
+
+        Example:
+            pair = admin.create_key("acme", aws=True)
+            os.environ["AWS_ACCESS_KEY_ID"] = pair["access_key_id"]
         """
         body: dict[str, Any] = {"role": role}
         if tenant_id is not None:
             body["tenant_id"] = tenant_id
         if name is not None:
             body["name"] = name
+        if aws:
+            body["aws"] = True
         return self._ok(self.http.post("/keys", json=body))
 
     def list_keys(self, tenant_id: str | None = None) -> list[dict[str, Any]]:
-        """A tenant's keys (id, role, created, last used, revoked), never their text."""
+        """A tenant's keys (id, role, created, last used, revoked, and `access_key_id` for a
+        key with an access key pair), never their text nor secret."""
         params = {"tenant_id": tenant_id} if tenant_id else {}
         return self._ok(self.http.get("/keys", params=params))["keys"]  # type: ignore[no-any-return]
 

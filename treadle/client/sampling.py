@@ -5,7 +5,7 @@ Imports nothing from the server side.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import tinker
@@ -71,6 +71,18 @@ class SamplingClient:
 
     def get_tokenizer(self) -> Any:
         return fetch_tokenizer(self._base_url, self._api_key, self.base_model)
+
+    def result(self, timeout: float | None = None) -> SamplingClient:
+        """This client. The tinker SDK hands sampling clients back as futures of the client;
+        Treadle hands back the client, and this keeps code that resolves the future working."""
+        return self
+
+    def __await__(self) -> Generator[Any, None, SamplingClient]:
+        """`await` gives this client, as awaiting the tinker SDK's future of it does."""
+        return self._itself().__await__()
+
+    async def _itself(self) -> SamplingClient:
+        return self
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -1,7 +1,9 @@
 """ServiceClient: entry point of Treadle's SDK, a thin layer over the official tinker SDK.
 
 Reads TREADLE_BASE_URL / TREADLE_API_KEY (then the TINKER_ ones), lists base models, creates
-training sessions with a name, rank, alpha and spend cap, and reports usage.
+training sessions with a name, rank, alpha, registry group and spend cap, and reports usage.
+Also takes the arguments of SageMaker's training-session ServiceClient, so code written for
+it runs with only its import changed (what each means here: `ServiceClient`'s docstring).
 Imports nothing from the server side.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Iterable
 from datetime import datetime
 from decimal import Decimal
@@ -47,15 +50,50 @@ def turn_off_sdk_telemetry() -> None:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
+def model_package_group_name(group: str) -> str:
+    """The name of a model package group given as its SageMaker ARN
+    (`arn:aws:sagemaker:<region>:<account>:model-package-group/<name>`) or as a name.
+
+    Raises:
+        ValueError: an ARN that names no model package group.
+    """
+    if not group.startswith("arn:"):
+        return group
+    _, found, name = group.partition(":model-package-group/")
+    if not found or not name or "/" in name:
+        raise ValueError(
+            f"{group!r} is not a model package group ARN; pass "
+            "arn:aws:sagemaker:<region>:<account>:model-package-group/<name>, or the group's name"
+        )
+    return name
+
+
 class ServiceClient:
     """Connects to a Treadle platform.
+
+    Treadle's SDK speaks the Tinker protocol to the platform with an API key. It also takes
+    the keyword arguments of SageMaker's training-session `ServiceClient`, so that code runs
+    with only its import changed; Treadle has no IAM role, AWS region or customer bucket, so
+    most of them change nothing.
 
     Args:
         base_url: the platform's URL; default $TREADLE_BASE_URL, $TINKER_BASE_URL, then
             http://127.0.0.1:8080.
         api_key: a `tml-...` key; default $TREADLE_API_KEY, then $TINKER_API_KEY.
+        model_package_group_arn: the registry group every session this client creates saves
+            its checkpoints into, as versions (unless the session names its own): a SageMaker
+            ARN, whose name after `model-package-group/` is used, or a plain name. Default:
+            each session's own group (its name, else its id).
+        session_name_prefix: sessions created without a name are named `{prefix}-{8 hex}`
+            (without a prefix they stay unnamed and are listed by id).
+        region, role_arn, s3_output_path, kms_key_arn, vpc_config, max_pool_connections:
+            accepted for SageMaker compatibility and ignored: the platform is the one at
+            `base_url`, the API key is the identity, checkpoints live in the platform's own
+            storage (under its operator's encryption, not your KMS key), sessions run on its
+            workers, and the tinker SDK sizes its own connection pools.
     Raises:
-        ConfigurationError: no API key was given or found.
+        ConfigurationError: no API key was given or found, or `base_url` is not a URL (a
+            region passed first, as SageMaker's SDK takes it, lands there: pass region=).
     Example:
         svc = treadle.ServiceClient(base_url="http://127.0.0.1:8080", api_key="tml-...")
         print(svc.list_base_models())
@@ -67,6 +105,14 @@ class ServiceClient:
         api_key: str | None = None,
         *,
         user_metadata: dict[str, str] | None = None,
+        model_package_group_arn: str | None = None,
+        session_name_prefix: str | None = None,
+        region: str | None = None,
+        role_arn: str | None = None,
+        s3_output_path: str | None = None,
+        kms_key_arn: str | None = None,
+        vpc_config: Any = None,
+        max_pool_connections: int | None = None,
     ) -> None:
         base_url = (
             base_url
@@ -74,6 +120,11 @@ class ServiceClient:
             or os.environ.get("TINKER_BASE_URL")
             or DEFAULT_BASE_URL
         ).rstrip("/")
+        if "://" not in base_url:
+            raise ConfigurationError(
+                f"base_url {base_url!r} is not a URL: pass the platform's, e.g. "
+                "http://127.0.0.1:8080 (a SageMaker region goes in region=, which Treadle ignores)"
+            )
         api_key = api_key or os.environ.get("TREADLE_API_KEY") or os.environ.get("TINKER_API_KEY")
         if not api_key:
             raise ConfigurationError(
@@ -82,6 +133,11 @@ class ServiceClient:
             )
         self.base_url = base_url
         self.api_key = api_key
+        self.model_package_group = (
+            model_package_group_name(model_package_group_arn) if model_package_group_arn else None
+        )
+        self.session_name_prefix = session_name_prefix
+        del region, role_arn, s3_output_path, kms_key_arn, vpc_config, max_pool_connections
         turn_off_sdk_telemetry()
         self._inner = tinker.ServiceClient(
             user_metadata=user_metadata, base_url=base_url, api_key=api_key
@@ -147,9 +203,13 @@ class ServiceClient:
         self,
         base_model: str,
         *,
-        training_session_name: str | None = None,
         rank: int = 32,
         alpha: float | None = None,
+        training_session_name: str | None = None,
+        model_package_group_arn: str | None = None,
+        s3_output_path: str | None = None,
+        kms_key_arn: str | None = None,
+        vpc_config: Any = None,
         seed: int | None = None,
         train_mlp: bool = True,
         train_attn: bool = True,
@@ -162,18 +222,34 @@ class ServiceClient:
 
         Args:
             base_model: a name from list_base_models().
-            training_session_name: a label for audit and listing (1-128 chars, no '/').
-            rank, alpha: the LoRA rank and scaling numerator (scale = alpha / rank; default 32).
+            rank, alpha: the LoRA rank and scaling numerator, an int or a float (scale =
+                alpha / rank; both default to 32).
+            training_session_name: a label for audit and listing (1-128 chars, no '/');
+                default `{session_name_prefix}-{8 hex}` when the ServiceClient has a prefix.
+            model_package_group_arn, model_package_group: the registry group each checkpoint
+                save becomes a version of, as a SageMaker ARN (its name after
+                `model-package-group/` is used) or a name; give either, not two different
+                groups. Default: the ServiceClient's, else the session name, else its id.
+            s3_output_path, kms_key_arn, vpc_config: accepted for SageMaker compatibility and
+                ignored (see ServiceClient).
             seed: seeds the adapter's initialisation.
-            model_package_group: the registry group each checkpoint save becomes a version of
-                (default: the session name, else the model id).
+            train_mlp, train_attn, train_unembed: which layers get adapters.
             max_cost_usd: the session's spend cap in USD: an operation that could take its
                 spend past it is refused (402); `get_usage()` shows what is spent.
+        Returns:
+            the session's TrainingClient, once the session is live.
         Raises:
+            ValueError: an ARN that names no model package group, or two different groups.
             tinker.RequestFailedError / tinker.BadRequestError: the server refused the session.
         Example:
-            tc = svc.create_lora_training_client("treadle/tiny-debug", rank=8, alpha=16)
+            tc = svc.create_lora_training_client("treadle/tiny-debug", rank=8, alpha=16,
+                                                 model_package_group_arn=GROUP_ARN)
         """
+        del s3_output_path, kms_key_arn, vpc_config  # SageMaker's; nothing here (docstring)
+        group = self._group(model_package_group_arn, model_package_group)
+        name = training_session_name
+        if name is None and self.session_name_prefix:
+            name = f"{self.session_name_prefix}-{uuid.uuid4().hex[:8]}"
         holder = self._inner.holder
         session_id = holder.get_session_id()
         model_seq_id = holder.get_training_client_id()
@@ -195,23 +271,30 @@ class ServiceClient:
             "optimizer_config": {"type": "adamw"},
             "type": "create_model",
         }
-        if training_session_name is not None:
-            body["training_session_name"] = training_session_name
+        if name is not None:
+            body["training_session_name"] = name
         if user_metadata:
             body["user_metadata"] = user_metadata
-        if model_package_group is not None:
-            body["model_package_group"] = model_package_group
+        if group is not None:
+            body["model_package_group"] = group
         if max_cost_usd is not None:
             body["max_cost_usd"] = float(max_cost_usd)
 
         inner = self._open_model("/api/v1/create_model", body, model_seq_id)
         return TrainingClient(
-            inner,
-            base_url=self.base_url,
-            api_key=self.api_key,
-            base_model=base_model,
-            name=training_session_name,
+            inner, base_url=self.base_url, api_key=self.api_key, base_model=base_model, name=name
         )
+
+    def _group(self, arn: str | None, name: str | None) -> str | None:
+        """The session's model package group: the one named here (as an ARN or a name), else
+        the ServiceClient's."""
+        named = {model_package_group_name(g) for g in (arn, name) if g}
+        if len(named) > 1:
+            raise ValueError(
+                f"model_package_group_arn={arn!r} and model_package_group={name!r} name "
+                "different groups; pass one of them"
+            )
+        return named.pop() if named else self.model_package_group
 
     def fork_training_client(
         self, model_id: str, at_seq: int, *, training_session_name: str | None = None

@@ -2,7 +2,9 @@
 
 Every GPU-bound call returns a future at once; operations run in call order, so `optim_step`
 may be sent before `forward_backward` finishes. `stop()` (or leaving a `with` block) stops the
-session. Imports nothing from the server side.
+session. Saves need no name (each gets one unique in the session), dtype-less TensorData take
+their key's dtype when sent, and `create_sampling_client()` with no path samples the base
+model, as in SageMaker's SDK. Imports nothing from the server side.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ import tinker
 from tinker import types
 from tinker.lib.api_future_impl import _APIFuture
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+from tinker.lib.retry_handler import RetryConfig
 
 from treadle.client.billing import BillingClient, SessionUsage
 from treadle.client.refusals import refusals_translated, translated
 from treadle.client.sampling import SamplingClient
 from treadle.client.tokenizer import fetch_tokenizer
+from treadle.client.types import as_sent
+
+# Default checkpoint names, numbered per training client (one per session) from 1.
+DEFAULT_NAMES = {"state": "state-{:04d}", "sampler_weights": "weights-{:04d}"}
 
 
 class TrainingClient:
@@ -49,6 +56,7 @@ class TrainingClient:
         self.base_model = base_model
         self.training_session_name = name
         self._stopped = False
+        self._saved: set[tuple[str, str]] = set()  # (kind, name) of each save through this client
 
     @property
     def model_id(self) -> str:
@@ -63,14 +71,23 @@ class TrainingClient:
         """Compute the loss and accumulate gradients; returns a future of ForwardBackwardOutput.
 
         Args:
-            data: the datums (model_input + loss_fn_inputs, targets already shifted).
+            data: the datums (model_input + loss_fn_inputs, targets already shifted). A
+                treadle.TensorData built without a dtype is sent as int64 under
+                `target_tokens` and float32 under any other key.
             loss_fn: the loss name, e.g. "cross_entropy".
             loss_fn_config: numeric options of the loss (e.g. PPO clip thresholds).
+        Returns:
+            a future of ForwardBackwardOutput (`.metrics`, `.loss_fn_outputs`).
         Raises:
+            ValueError: non-integer values in a dtype-less `target_tokens`.
             tinker.RequestFailedError (from .result()) when the server rejects the operation;
             treadle.QuotaExceededError (from .result()) when a budget is spent.
+        Example:
+            fb = tc.forward_backward(datums, loss_fn="ppo")
+            print(fb.result().metrics["loss:sum"])
         """
-        future = self._inner.forward_backward(list(data), loss_fn, loss_fn_config)  # type: ignore[arg-type]
+        sent = [as_sent(d) for d in data]
+        future = self._inner.forward_backward(sent, loss_fn, loss_fn_config)  # type: ignore[arg-type]
         return translated(future)
 
     def forward(
@@ -80,19 +97,31 @@ class TrainingClient:
         loss_fn_config: dict[str, float] | None = None,
     ) -> Any:
         """Like forward_backward, with no gradient and no state change."""
-        future = self._inner.forward(list(data), loss_fn, loss_fn_config)  # type: ignore[arg-type]
+        sent = [as_sent(d) for d in data]
+        future = self._inner.forward(sent, loss_fn, loss_fn_config)  # type: ignore[arg-type]
         return translated(future)
 
     def optim_step(self, adam_params: types.AdamParams | None = None) -> Any:
         """Apply the accumulated gradients with Adam; returns a future of OptimStepResponse."""
         return translated(self._inner.optim_step(adam_params or types.AdamParams()))
 
-    def save_state(self, name: str, ttl_seconds: int | None = None) -> Any:
-        """Save adapter + optimizer state as `tinker://<model id>/weights/<name>` (resumable).
+    def save_state(self, name: str | None = None, ttl_seconds: int | None = None) -> Any:
+        """Save adapter + optimizer state as `tinker://<model id>/weights/<name>` (resumable
+        with ServiceClient.create_training_client_from_state_with_optimizer).
 
-        Returns a future of SaveWeightsResponse (its `.path`). Each save is registered as a new
-        version of the session's model package group.
+        Each save is registered as a new version of the session's model package group.
+
+        Args:
+            name: the checkpoint's name; default `state-0001`, `state-0002`, ... numbered per
+                session from 1, skipping names this client already saved under.
+            ttl_seconds: delete the checkpoint after this long (default: never).
+        Returns:
+            a future of SaveWeightsResponse; its `.path` is the checkpoint's path.
+        Example:
+            path = tc.save_state().result().path
+            resumed = svc.create_training_client_from_state_with_optimizer(path)
         """
+        name = self._name("state", name)
         return translated(self._inner.save_state(name, ttl_seconds=ttl_seconds))
 
     def load_state(self, path: str) -> Any:
@@ -106,17 +135,44 @@ class TrainingClient:
             return translated(self._inner.load_state_with_optimizer(path))
 
     def save_weights_for_sampler(
-        self, name: str, *, merge_weights: bool = False, ttl_seconds: int | None = None
+        self,
+        name: str | None = None,
+        *,
+        merge_weights: bool = False,
+        ttl_seconds: int | None = None,
     ) -> Any:
-        """Save weights for sampling as `tinker://<model id>/sampler_weights/<name>`.
+        """Save weights for sampling as `tinker://<model id>/sampler_weights/<name>`, registered
+        as a new version of the session's model package group.
 
         With `merge_weights=True` the checkpoint is a full Hugging Face model folder (the adapter
         merged into the base weights) that `transformers` loads with no Treadle code; download it
-        with `treadle checkpoints download PATH DIR`. Returns a future whose `.path` is the path.
+        with `treadle checkpoints download PATH DIR`.
+
+        Args:
+            name: the checkpoint's name; default `weights-0001`, `weights-0002`, ... numbered
+                per session from 1, skipping names this client already saved under.
+            merge_weights: save the merged model instead of the adapter.
+            ttl_seconds: delete the checkpoint after this long (default: never).
+        Returns:
+            a future whose `.path` is the checkpoint's path.
+        Example:
+            path = tc.save_weights_for_sampler(merge_weights=True).result().path
+            sc = svc.create_sampling_client(path)
         """
+        name = self._name("sampler_weights", name)
         if not merge_weights:
             return translated(self._inner.save_weights_for_sampler(name, ttl_seconds=ttl_seconds))
         return translated(self._save_merged(name, ttl_seconds))
+
+    def _name(self, kind: str, name: str | None) -> str:
+        """`name`, or the first default name of `kind` this client has not saved under."""
+        if not name:
+            number = 1
+            while (kind, DEFAULT_NAMES[kind].format(number)) in self._saved:
+                number += 1
+            name = DEFAULT_NAMES[kind].format(number)
+        self._saved.add((kind, name))
+        return name
 
     def _save_merged(self, name: str, ttl_seconds: int | None) -> Any:
         inner = self._inner
@@ -160,6 +216,44 @@ class TrainingClient:
         """Snapshot the current weights and return a SamplingClient on them (waits for the save)."""
         with refusals_translated():
             inner = self._inner.save_weights_and_get_sampling_client().result()
+        return SamplingClient(
+            inner, base_url=self._base_url, api_key=self._api_key, base_model=self.base_model
+        )
+
+    def create_sampling_client(
+        self,
+        model_path: str = "",
+        retry_config: RetryConfig | None = None,
+        record_stability_info: bool = False,
+    ) -> SamplingClient:
+        """A sampler on a saved checkpoint, or with no path on the session's base model (an
+        empty `model_package_arn` means the same in SageMaker's SDK).
+
+        Takes the tinker SDK's arguments. The tinker SDK returns a future of the client; this
+        returns the client, which also answers `.result()` and `await` with itself, so code
+        written for either SDK runs.
+
+        Args:
+            model_path: a `tinker://...` checkpoint path; "" for the base model.
+            retry_config: the tinker SDK's RetryConfig for the sampler's requests.
+            record_stability_info: record each sample's stability information (for
+                stable_reinforce).
+        Returns:
+            a SamplingClient.
+        Raises:
+            tinker.BadRequestError / tinker.NotFoundError: an unknown or unreadable checkpoint.
+        Example:
+            sc = tc.create_sampling_client()  # the base model
+            print(sc.sample([1, 2, 3], num_samples=2).result().sequences[0].tokens)
+        """
+        with refusals_translated():
+            inner = tinker.SamplingClient.create(
+                self._inner.holder,
+                model_path=model_path or None,
+                base_model=None if model_path else self.base_model,
+                retry_config=retry_config,
+                record_stability_info=record_stability_info,
+            ).result()
         return SamplingClient(
             inner, base_url=self._base_url, api_key=self._api_key, base_model=self.base_model
         )

@@ -71,6 +71,7 @@ def save(
             has_optimizer=payload.with_optimizer,
             is_merged=payload.merge_weights,
             ttl_seconds=payload.ttl_seconds,
+            description=payload.description,
         )
         events.append(
             conn,

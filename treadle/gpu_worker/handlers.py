@@ -36,6 +36,7 @@ from treadle.platform.eventlog import optypes
 from treadle.platform.eventlog.optypes import (
     CreateModel,
     ForwardBackward,
+    LoadSamplerWeights,
     LoadWeights,
     OptimStep,
     OpType,
@@ -188,6 +189,13 @@ def sample(call: Call, p: Sample) -> Outcome:
     return sample_outcome(p, out)
 
 
+def load_sampler_weights(call: Call, p: LoadSamplerWeights) -> Outcome:
+    checkpoint_io.ensure_snapshot(
+        call.engine, call.store, p.snapshot_id, call.base_model, p.checkpoint_prefix
+    )
+    return Outcome({"snapshot_id": p.snapshot_id})
+
+
 def sample_request(call: Call, p: Sample) -> SampleRequest:
     """What the engine samples for `p` (its checkpoint's weights loaded first if needed); the
     worker batches these across sessions and turns each result into `sample_outcome`."""
@@ -268,6 +276,7 @@ HANDLERS: dict[OpType, Callable[[Call, Any], Outcome]] = {
     OpType.SAVE_WEIGHTS: save_weights,
     OpType.SAVE_WEIGHTS_FOR_SAMPLER: save_weights_for_sampler,
     OpType.SAMPLE: sample,
+    OpType.LOAD_SAMPLER_WEIGHTS: load_sampler_weights,
     OpType.REBUILD: rebuild,
 }
 assert set(HANDLERS) == set(OpType), "every operation type needs a handler"

@@ -44,7 +44,14 @@ from treadle.platform.errors import (
     TreadleError,
 )
 from treadle.platform.eventlog import events, notify, progress
-from treadle.platform.eventlog.optypes import OptimStep, Payload, Rebuild, Sample, parse_payload
+from treadle.platform.eventlog.optypes import (
+    OptimStep,
+    OpType,
+    Payload,
+    Rebuild,
+    Sample,
+    parse_payload,
+)
 from treadle.platform.operations import cancellation, operations
 from treadle.platform.sessions import leases
 from treadle.platform.sessions import sessions as sessions_core
@@ -171,7 +178,7 @@ class SessionHost:
             try:
                 if op is not None and op.sampler_id is not None:
                     if not op.is_done:
-                        self._run_samples(session, op, parse_payload(op.type, payload))
+                        self._run_unordered(session, op, parse_payload(op.type, payload))
                     return
                 # The operation woken for is usually the one to apply next: no need to look it up.
                 next_op = None
@@ -376,6 +383,16 @@ class SessionHost:
                 self._write_point(session, op.seq_id)
         return more
 
+    def _run_unordered(
+        self, session: SessionRow, op: operations.OperationRow, payload: Payload
+    ) -> None:
+        """A sampler's operation: a sample joins a batch; anything else runs alone, now."""
+        if isinstance(payload, Sample):
+            self._run_samples(session, op, payload)
+            return
+        outcome, error, _, seconds = self._run(self._call(session, op), payload, op)
+        self._settle(session, op, outcome, error, None, seconds, time.time() - seconds)
+
     def _run_samples(
         self, session: SessionRow, first: operations.OperationRow, payload: Payload
     ) -> None:
@@ -522,8 +539,8 @@ class SessionHost:
                 if s is None or s.base_model != session.base_model:
                     continue
                 op = operations.get_operation(conn, None, other_request)
-                if op.sampler_id is None or op.is_done:
-                    continue
+                if op.sampler_id is None or op.is_done or op.type != OpType.SAMPLE:
+                    continue  # not a sample (a loadWeightsForSampling runs on its own wake-up)
                 payload = parse_payload(
                     op.type, events.read_at(conn, op.request_position).data["payload"]
                 )

@@ -368,21 +368,43 @@ class LoraHost:
 
 @dataclass(frozen=True)
 class AdamSpec:
+    """AdamW's settings for one step. `lora_plus_lr_ratio` is LoRA+ (Hayou et al. 2024,
+    arXiv 2402.12354; SageMaker's loraPlusLrRatio): every B matrix learns at `learning_rate`
+    times it, every A matrix at `learning_rate`."""
+
     learning_rate: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-12
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
+    lora_plus_lr_ratio: float = 1.0
+
+
+# The optimizer's parameter groups: the A matrices (and any other adapter tensor) learn at the
+# step's learning rate, the B matrices at that times `lora_plus_lr_ratio` (LoRA+).
+_A_GROUP, _B_GROUP = 0, 1
 
 
 class TrainableLora:
     """One adapter under training: its weights, the grads accumulated since the last step and its
-    AdamW state, kept together on one device."""
+    AdamW state, kept together on one device.
+
+    AdamW holds the tensors in two parameter groups, the A matrices and the B matrices, so a step
+    can give B its own learning rate (LoRA+). Its state is per tensor and keyed by tensor name
+    wherever it leaves this object (`optimizer_state`, `optimizer_tensors`, `state_tensors`), so
+    the groups change no saved format; their settings are set afresh by every `step`."""
 
     def __init__(self, weights: LoraWeights) -> None:
         self.weights = weights
-        self.optimizer = torch.optim.AdamW(weights.parameters())
+        b_ids = {id(t) for t in weights.B.values()}
+        params = weights.parameters()
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if id(p) not in b_ids]},  # _A_GROUP
+                {"params": [p for p in params if id(p) in b_ids]},  # _B_GROUP
+            ]
+        )
         self.is_released = False  # its tensors are freed (paged out) until `restore`
 
     @property
@@ -425,12 +447,11 @@ class TrainableLora:
     def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Replace the AdamW state with `state` (as `optimizer_state` gives it), exactly.
         ValidationError, changing nothing, on an unknown tensor or a misshapen entry."""
-        named = self.weights.tensors()
-        index = {name: i for i, (name, _) in enumerate(named)}
-        if unknown := sorted(set(state) - set(index)):
+        named = dict(self.weights.tensors())
+        if unknown := sorted(set(state) - set(named)):
             raise ValidationError(f"optimizer state for unknown adapter tensors {unknown}")
         for name, entries in state.items():
-            shape = tuple(named[index[name]][1].shape)
+            shape = tuple(named[name].shape)
             for key, value in entries.items():
                 want = () if key == "step" else shape
                 if tuple(value.shape) != want or not torch.isfinite(value).all():
@@ -439,13 +460,22 @@ class TrainableLora:
                         f"non-finite values; this adapter needs shape {list(want)}"
                     )
         groups = self.optimizer.state_dict()["param_groups"]
-        as_saved = {index[name]: {k: v.clone() for k, v in e.items()} for name, e in state.items()}
+        # state_dict numbers the parameters in group order (A's, then B's), not tensors() order
+        order = [p for group in self.optimizer.param_groups for p in group["params"]]
+        number = {id(p): i for i, p in enumerate(order)}
+        as_saved = {
+            number[id(named[name])]: {k: v.clone() for k, v in e.items()}
+            for name, e in state.items()
+        }
         # load_state_dict moves moments to each parameter's device and dtype; `step` stays as is.
         self.optimizer.load_state_dict({"state": as_saved, "param_groups": groups})
 
     def step(self, adam: AdamSpec) -> dict[str, float]:
         """Apply the accumulated grads with AdamW(`adam`) (after clipping their global norm to
-        `grad_clip_norm`, if > 0), then zero them. Returns the norm before clipping."""
+        `grad_clip_norm`, if > 0), then zero them: the B matrices with learning rate
+        `learning_rate * lora_plus_lr_ratio` (their weight decay too, as AdamW ties it to the
+        rate), everything else with `learning_rate`. Returns the norm before clipping and
+        `learning_rate` (the A matrices')."""
         _check_adam(adam)
         params = self.weights.parameters()
         for p in params:
@@ -454,12 +484,19 @@ class TrainableLora:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if adam.grad_clip_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm)
-        self.optimizer.param_groups[0].update(
-            lr=adam.learning_rate,
-            betas=(adam.beta1, adam.beta2),
-            eps=adam.eps,
-            weight_decay=adam.weight_decay,
-        )
+        # A ratio of 1 gives B exactly the learning rate (x * 1.0 == x), so the step is the one
+        # a single group made before LoRA+ existed, bit for bit: AdamW updates each tensor alone.
+        rates = {
+            _A_GROUP: adam.learning_rate,
+            _B_GROUP: adam.learning_rate * adam.lora_plus_lr_ratio,
+        }
+        for index, group in enumerate(self.optimizer.param_groups):
+            group.update(
+                lr=rates[index],
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm:mean": float(grad_norm), "learning_rate:mean": adam.learning_rate}
@@ -543,5 +580,10 @@ def _check_adam(adam: AdamSpec) -> None:
     ):
         if not value >= 0:
             problems.append(f"{name} {value} must be 0 or more")
+    if not (math.isfinite(adam.lora_plus_lr_ratio) and adam.lora_plus_lr_ratio >= 1):
+        problems.append(
+            f"lora_plus_lr_ratio {adam.lora_plus_lr_ratio} must be a finite number, 1 or more "
+            "(1 trains A and B at the same rate)"
+        )
     if problems:
         raise ValidationError("invalid Adam parameters: " + "; ".join(problems))

@@ -101,8 +101,19 @@ def _cross_entropy(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) 
     return -x["weights"] * lp
 
 
+# importance_sampling, ppo and cispo multiply each token's term by its `weights` entry, a
+# per-token mask that is all ones when a datum omits it (validate_data fills it in). Multiplying
+# by 1.0 is exact, so a datum without weights gets the same bits as before the mask existed.
+
+
+def _masked(term: Tensor, x: Mapping[str, Tensor]) -> Tensor:
+    """`term` times the datum's `weights` (a caller computing a loss directly may omit them)."""
+    weights = x.get("weights")
+    return term if weights is None else term * weights
+
+
 def _importance_sampling(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
-    return -torch.exp(lp - x["logprobs"]) * x["advantages"]
+    return _masked(-torch.exp(lp - x["logprobs"]) * x["advantages"], x)
 
 
 def _clip(ratio: Tensor, x: Mapping[str, Tensor]) -> Tensor:
@@ -113,12 +124,13 @@ def _clip(ratio: Tensor, x: Mapping[str, Tensor]) -> Tensor:
 
 def _ppo(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
     ratio = torch.exp(lp - x["logprobs"])
-    return -torch.minimum(ratio * x["advantages"], _clip(ratio, x) * x["advantages"])
+    objective = torch.minimum(ratio * x["advantages"], _clip(ratio, x) * x["advantages"])
+    return _masked(-objective, x)
 
 
 def _cispo(lp: Tensor, x: Mapping[str, Tensor], _: Mapping[str, float]) -> Tensor:
     ratio = torch.exp(lp - x["logprobs"]).detach()
-    return -_clip(ratio, x) * lp * x["advantages"]
+    return _masked(-_clip(ratio, x) * lp * x["advantages"], x)
 
 
 def _dro(lp: Tensor, x: Mapping[str, Tensor], c: Mapping[str, float]) -> Tensor:
@@ -182,7 +194,8 @@ def validate_data(
     """Check every datum for `loss`; return per datum its arrays (`tokens` and `target_tokens`
     int64, float inputs float32), all of length T. A per-token config input (e.g. ppo's
     `clip_low_threshold`) a datum does not send is filled with `config`'s value (the loss's
-    default where `config` lacks it).
+    default where `config` lacks it); an optional input (the RL losses' `weights`), with the
+    value its specification gives (1.0 for `weights`).
 
     Raises ValidationError naming the datum index and field of the first problem.
     """
@@ -227,8 +240,10 @@ def _validate_datum(
     for name in loss.spec.accepted_inputs:
         if name in loss.spec.ignored_inputs:
             continue
-        if name not in datum.loss_fn_inputs:
-            arrays[name] = np.full(n_tokens, config[name], np.float32)
+        if name not in datum.loss_fn_inputs:  # optional: its default, or the config's value
+            fill = loss.spec.optional_inputs.get(name, config.get(name))
+            assert fill is not None, f"{name} is neither optional nor a per-token config key"
+            arrays[name] = np.full(n_tokens, fill, np.float32)
             continue
         value = np.asarray(datum.loss_fn_inputs[name])
         if value.ndim != 1 or value.shape[0] != n_tokens:

@@ -6,9 +6,12 @@ everything else receives the config explicitly. Imports nothing from api, gpu_wo
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from treadle.platform.logs import FORMATS
@@ -25,6 +28,16 @@ DEFAULT_MAX_LOADED_ADAPTERS = 4
 DEFAULT_MAX_LOADED_SNAPSHOTS = 16
 # Where a worker serves its Prometheus metrics (`treadle up` gives worker i this port + i).
 DEFAULT_WORKER_METRICS_PORT = 9101
+# SageMaker's SDK sends forwardBackward in chunks of about 10-12 MB (api/sagemaker).
+DEFAULT_SAGEMAKER_MAX_BODY_BYTES = 16 * 1024 * 1024
+# A region a SigV4 credential scope may name (it is echoed in ARNs, so no ':' or '/'): lowercase
+# letters, digits and inner hyphens, like us-east-1.
+AWS_REGION_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,30}[a-z0-9])?$")
+# How an operator makes a TREADLE_SECRETS_KEY (a Fernet key: 32 random bytes, urlsafe base64).
+SECRETS_KEY_HOWTO = (
+    "generate one with: python -c 'import base64, os; "
+    "print(base64.urlsafe_b64encode(os.urandom(32)).decode())'"
+)
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,14 @@ class PlatformConfig:
     prometheus_multiproc_dir: str = ""
     # How log records are written (platform/logs.py): "json" lines for a collector, or "human".
     log_format: str = "json"
+    # Fernet keys (comma-separated; the first encrypts, every one decrypts, so an operator can
+    # rotate) under which access key secrets are stored (tenancy/access_keys). Empty: access key
+    # pairs cannot be minted nor SigV4 signatures checked. `treadle up` generates one.
+    secrets_key: str = field(default="", repr=False)
+    # The regions a SigV4 signature's scope may name (empty: any well-formed region name).
+    aws_regions: tuple[str, ...] = ()
+    # The largest SageMaker request body (api/sagemaker; a larger one is refused).
+    sagemaker_max_body_bytes: int = DEFAULT_SAGEMAKER_MAX_BODY_BYTES
 
     @property
     def fwdbwd_chunk_bytes(self) -> int:
@@ -177,6 +198,11 @@ class PlatformConfig:
             worker_metrics_addr=env.get("TREADLE_WORKER_METRICS_ADDR") or "0.0.0.0",
             prometheus_multiproc_dir=env.get("PROMETHEUS_MULTIPROC_DIR", ""),
             log_format=_log_format(env),
+            secrets_key=_secrets_key(env),
+            aws_regions=_aws_regions(env),
+            sagemaker_max_body_bytes=_body_bytes(
+                env, "TREADLE_SAGEMAKER_MAX_BODY_BYTES", DEFAULT_SAGEMAKER_MAX_BODY_BYTES
+            ),
         )
 
     def with_services(self, database_url: str, redis_url: str) -> PlatformConfig:
@@ -213,7 +239,12 @@ class PlatformConfig:
             "TREADLE_WORKER_METRICS_PORT": str(self.worker_metrics_port),
             "TREADLE_WORKER_METRICS_ADDR": self.worker_metrics_addr,
             "TREADLE_LOG_FORMAT": self.log_format,
+            "TREADLE_SAGEMAKER_MAX_BODY_BYTES": str(self.sagemaker_max_body_bytes),
         }
+        if self.secrets_key:
+            env["TREADLE_SECRETS_KEY"] = self.secrets_key
+        if self.aws_regions:
+            env["TREADLE_AWS_REGIONS"] = ",".join(self.aws_regions)
         if self.debug_faults:
             env["TREADLE_DEBUG_FAULTS"] = "1"
         if self.admin_key:
@@ -284,6 +315,36 @@ def _body_bytes(env: Mapping[str, str], name: str, default: int) -> int:
             f"{name} must be a whole number of bytes, at least {MIN_BODY_BYTES}, got {env.get(name)!r}"
         )
     return int(value)
+
+
+def _secrets_key(env: Mapping[str, str]) -> str:
+    """TREADLE_SECRETS_KEY, each comma-separated entry checked to be a Fernet key (never put in
+    a message: only its position is named)."""
+    entries = [part.strip() for part in (env.get("TREADLE_SECRETS_KEY") or "").split(",")]
+    entries = [part for part in entries if part]
+    for i, entry in enumerate(entries, 1):
+        try:
+            raw = base64.urlsafe_b64decode(entry.encode("ascii"))
+        except (binascii.Error, UnicodeEncodeError, ValueError):
+            raw = b""
+        if len(raw) != 32:
+            raise ValueError(
+                f"TREADLE_SECRETS_KEY: entry {i} of {len(entries)} is not a Fernet key (32 bytes, "
+                f"urlsafe base64, 44 characters); {SECRETS_KEY_HOWTO}"
+            )
+    return ",".join(entries)
+
+
+def _aws_regions(env: Mapping[str, str]) -> tuple[str, ...]:
+    names = [part.strip() for part in (env.get("TREADLE_AWS_REGIONS") or "").split(",")]
+    names = [name for name in names if name]
+    for name in names:
+        if not AWS_REGION_NAME.match(name):
+            raise ValueError(
+                f"TREADLE_AWS_REGIONS: {name!r} is not a region name (lowercase letters, digits "
+                "and hyphens, like us-east-1); list them comma-separated"
+            )
+    return tuple(dict.fromkeys(names))
 
 
 def _auto_flag(env: Mapping[str, str], name: str) -> bool | None:

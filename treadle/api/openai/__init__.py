@@ -1,6 +1,6 @@
-"""The OpenAI-compatible routes under `/v1` (`routes`: models, completions, chat completions),
-their bodies (`schemas`) and their answers, whole or as a server-sent event stream (`answers`).
-The sampling itself is `treadle.platform.serving`'s.
+"""The OpenAI-compatible routes under `/v1` (`routes`: models, completions, chat completions).
+Their bodies, answers and streams are `treadle.api.chat`'s; the sampling itself is
+`treadle.platform.serving`'s.
 
 Imports the shared `treadle.api` modules and `treadle.platform`; never another surface.
 """

@@ -27,17 +27,13 @@ from treadle.api.tinker.schemas import (
     WeightsInfo,
 )
 from treadle.api.tinker.schemas_extras import SaveWeightsExternal
-from treadle.platform.checkpoints import checkpoints, publishing, storage
+from treadle.platform.checkpoints import checkpoints, publishing
 from treadle.platform.errors import NotFoundError, ValidationError
 from treadle.platform.eventlog import optypes
 from treadle.platform.operations import commands, operations
 from treadle.platform.sessions import sessions as sessions_core
 
 bp = Blueprint("checkpoints", __name__, url_prefix="/api/v1")
-
-
-def checkpoint_prefix(tenant_id: str, path: checkpoints.CheckpointPath) -> str:
-    return storage.tenant_key(tenant_id, "sessions", path.run_id, path.kind, path.name)
 
 
 def _submit_save(
@@ -59,7 +55,7 @@ def _submit_save(
                 raise ValidationError(f"{path} already exists; pass overwrite=true or another name")
     payload = optypes.SaveWeights(
         path=str(path),
-        prefix=checkpoint_prefix(principal().tenant_id, path),
+        prefix=checkpoints.storage_prefix(principal().tenant_id, path),
         ttl_seconds=ttl_seconds,
         with_optimizer=with_optimizer,
         merge_weights=merge_weights,
@@ -301,7 +297,7 @@ def delete_checkpoint(run_id: str, checkpoint_id: str) -> Any:
     svc = services()
     with svc.db.begin() as conn:
         checkpoint = checkpoints.delete(conn, principal(), _path(run_id, checkpoint_id))
-    svc.store.delete_prefix(checkpoint.storage_prefix)
+    svc.store.delete_prefix(checkpoint.storage_prefix + "/")  # its own files, no sibling's
     return jsonify(deleted=str(checkpoint.path))
 
 

@@ -1,8 +1,10 @@
 """Tenant and key management under /api/v1/treadle: the operator creates, lists, disables and
-enables tenants; tenant admins (and the operator, for any tenant) create, list and revoke keys.
+enables tenants; tenant admins (and the operator, for any tenant) create, list and revoke keys,
+a key optionally with an AWS-style access key pair for SigV4 (`"aws": true`).
 
 Views parse, call `platform.tenants` / `platform.keys` (where the role checks live) and
-serialise; a key's text appears only in the answer that minted it (never cached by a proxy).
+serialise; a key's text (and an access key pair's secret) appears only in the answer that minted
+it (never cached by a proxy).
 After a revocation or a disabled tenant, this process's authentication cache is evicted at once.
 Imports platform only; never torch.
 """
@@ -19,7 +21,7 @@ from treadle.api import auth
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
 from treadle.api.treadle.schemas_admin import CreateKey, CreateTenant
-from treadle.platform.tenancy import keys, tenants
+from treadle.platform.tenancy import access_keys, keys, tenants
 
 bp = Blueprint("admin", __name__, url_prefix="/api/v1/treadle")
 
@@ -63,6 +65,20 @@ def enable_tenant(tenant_id: str) -> Any:
 @bp.post("/keys")
 def create_key() -> Any:
     body = parse(CreateKey, json_body())
+    if body.aws:
+        keyring = auth.authenticator().keyring
+        with services().db.begin() as conn:
+            pair = access_keys.create_access_key(
+                conn, principal(), keyring, body.tenant_id, body.role, body.name
+            )
+        return _minted(
+            {
+                "key": _key(pair.key),
+                "api_key": pair.plaintext,
+                "access_key_id": pair.access_key_id,
+                "secret_access_key": pair.secret_access_key,
+            }
+        )
     with services().db.begin() as conn:
         new = keys.create_key(conn, principal(), body.tenant_id, body.role, body.name)
     return _minted({"key": _key(new.key), "api_key": new.plaintext})
@@ -104,7 +120,11 @@ def _tenant(tenant: tenants.Tenant) -> dict[str, Any]:
 
 
 def _key(key: keys.ApiKey) -> dict[str, Any]:
-    return {k: _json(v) for k, v in asdict(key).items()}
+    """A key's record; `access_key_id` only for a key that has one."""
+    record = {k: _json(v) for k, v in asdict(key).items()}
+    if record["access_key_id"] is None:
+        del record["access_key_id"]
+    return record
 
 
 def _json(value: Any) -> Any:

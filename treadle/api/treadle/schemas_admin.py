@@ -19,9 +19,11 @@ class CreateTenant(Body):
 
 
 class CreateKey(Body):
-    """A new key of `tenant_id` (the caller's tenant when omitted)."""
+    """A new key of `tenant_id` (the caller's tenant when omitted); `aws`: also an AWS-style
+    access key pair for SigV4 (SageMaker's API), whose secret is shown once."""
 
     tenant_id: str | None = Field(None, min_length=1, max_length=63)
     # Checked by `keys.create_key`, whose message says how an operator key is made instead.
     role: str = Field("member", max_length=16, json_schema_extra={"enum": ["admin", "member"]})
     name: str | None = Field(None, min_length=1, max_length=MAX_NAME)
+    aws: bool = Field(False, strict=True)

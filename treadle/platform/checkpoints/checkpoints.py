@@ -18,6 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import distinct_on
 
+from treadle.platform.checkpoints import storage
 from treadle.platform.errors import NotFoundError, ValidationError
 from treadle.platform.eventlog.schema import checkpoints, sessions
 from treadle.platform.tenancy.tenants import Principal
@@ -55,6 +56,7 @@ class Checkpoint:
     created_at: datetime
     expires_at: datetime | None
     public: bool = False  # published: readable by every tenant's keys (platform.publishing)
+    description: str | None = None  # what the save said of itself
 
     def to_json(self) -> dict[str, Any]:
         """The Tinker REST shape of a checkpoint, plus Treadle's registry fields."""
@@ -71,6 +73,12 @@ class Checkpoint:
             "has_optimizer": self.has_optimizer,
             "is_merged": self.is_merged,
         }
+
+
+def storage_prefix(tenant_id: str, path: CheckpointPath) -> str:
+    """Where checkpoint `path`'s files live: under its tenant's prefix, built, never taken from
+    input."""
+    return storage.tenant_key(tenant_id, "sessions", path.run_id, path.kind, path.name)
 
 
 def validate_name(name: str) -> str:
@@ -120,6 +128,7 @@ def register(
     has_optimizer: bool,
     is_merged: bool,
     ttl_seconds: int | None,
+    description: str | None = None,
 ) -> Checkpoint:
     """Record a saved checkpoint as the next version of its session's model package group.
 
@@ -164,6 +173,7 @@ def register(
             has_optimizer=has_optimizer,
             is_merged=is_merged,
             expires_at=expires,
+            description=description,
         )
     )
     return get(conn, None, str(path), tenant_id=tenant_id)
@@ -197,7 +207,7 @@ def get(
     row = conn.execute(query).first()
     if row is None:
         raise NotFoundError(f"checkpoint {parsed} not found")
-    return _checkpoint(row)
+    return checkpoint_of(row)
 
 
 def list_for(
@@ -217,7 +227,7 @@ def list_for(
         query = query.where(checkpoints.c.model_package_group == group)
     total = conn.execute(sa.select(sa.func.count()).select_from(query.subquery())).scalar_one()
     page = query.order_by(checkpoints.c.created_at, checkpoints.c.id).offset(offset).limit(limit)
-    return [_checkpoint(r) for r in conn.execute(page)], int(total)
+    return [checkpoint_of(r) for r in conn.execute(page)], int(total)
 
 
 def exists(conn: sa.Connection, principal: Principal, path: CheckpointPath) -> bool:
@@ -246,7 +256,7 @@ def latest_for(
             checkpoints.c.session_id, checkpoints.c.created_at.desc(), checkpoints.c.id.desc()
         )
     )
-    return {r.session_id: _checkpoint(r) for r in rows}
+    return {r.session_id: checkpoint_of(r) for r in rows}
 
 
 def delete(conn: sa.Connection, principal: Principal, path: str) -> Checkpoint:
@@ -280,7 +290,8 @@ def set_ttl(
     return get(conn, principal, path)
 
 
-def _checkpoint(row: sa.Row[Any]) -> Checkpoint:
+def checkpoint_of(row: sa.Row[Any]) -> Checkpoint:
+    """A checkpoint from a row holding the `checkpoints` table's columns (among others)."""
     return Checkpoint(
         path=CheckpointPath(row.session_id, row.kind, row.name),
         tenant_id=row.tenant_id,
@@ -294,6 +305,7 @@ def _checkpoint(row: sa.Row[Any]) -> Checkpoint:
         created_at=row.created_at,
         expires_at=row.expires_at,
         public=row.published_at is not None,
+        description=row.description,
     )
 
 
@@ -311,4 +323,4 @@ def reap_expired(conn: sa.Connection, limit: int = 20) -> list[Checkpoint]:
             .where(checkpoints.c.id.in_([r.id for r in rows]))
             .values(deleted_at=sa.func.now())
         )
-    return [_checkpoint(r) for r in rows]
+    return [checkpoint_of(r) for r in rows]

@@ -30,6 +30,7 @@ EVENT_TYPES = (
     "SessionFailed",
     "SessionStopped",
     "SessionExpired",
+    "SessionDeleted",  # SageMaker's DeleteTrainingSession: its name is free again
     "OperationRequested",
     "OperationCompleted",
     "OperationFailed",

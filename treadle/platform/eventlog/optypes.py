@@ -26,6 +26,7 @@ class OpType(StrEnum):
     SAVE_WEIGHTS = "save_weights"
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
     SAMPLE = "sample"
+    LOAD_SAMPLER_WEIGHTS = "load_sampler_weights"
     REBUILD = "rebuild"
 
 
@@ -180,6 +181,8 @@ class OptimStep(Payload):
     eps: float = 1e-12
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
+    # LoRA+ (SageMaker's loraPlusLrRatio): each B matrix learns at learning_rate times this.
+    lora_plus_lr_ratio: float = 1.0
 
     @property
     def changes_state(self) -> bool:
@@ -199,6 +202,7 @@ class SaveWeights(Payload):
     ttl_seconds: int | None
     with_optimizer: bool
     merge_weights: bool
+    description: str | None = None  # kept with the checkpoint (SageMaker's `description`)
 
 
 class SaveWeightsForSampler(Payload):
@@ -273,6 +277,17 @@ class Sample(Payload):
     record_stability_info: bool = False
 
 
+class LoadSamplerWeights(Payload):
+    """Make a checkpoint's adapter ready for sampling on the session's worker (SageMaker's
+    loadWeightsForSampling): its files are read once, so the samples that name it next start at
+    once. Changes no training state; a sampler's operation, so it needs no seq_id order."""
+
+    TYPE = OpType.LOAD_SAMPLER_WEIGHTS
+    is_ordered = False
+    snapshot_id: str
+    checkpoint_prefix: str
+
+
 class RebuildMode(StrEnum):
     REPLAY = "replay"  # a read-only sandbox, verified from the source's first operation
     FORK = "fork"  # a new training session, from the source's newest recovery point
@@ -308,6 +323,7 @@ PAYLOADS: dict[OpType, type[Payload]] = {
         SaveWeights,
         SaveWeightsForSampler,
         Sample,
+        LoadSamplerWeights,
         Rebuild,
     )
 }

@@ -39,9 +39,20 @@ api_keys = sa.Table(
     sa.Column("last_used_at", sa.DateTime(timezone=True)),
     sa.Column("revoked_at", sa.DateTime(timezone=True)),
     sa.Column("revoked_by", sa.Text),
+    # A key minted with an AWS-style access key pair (`treadle keys create --aws`, migration
+    # 0012) for SigV4-signed requests: the access key id, and the secret access key encrypted
+    # under the operator's TREADLE_SECRETS_KEY (SigV4 needs the secret itself, not a hash).
+    sa.Column("access_key_id", sa.Text),
+    sa.Column("secret_ciphertext", sa.Text),
     sa.CheckConstraint("role IN ('operator', 'admin', 'member')", name="ck_api_keys_role"),
     sa.Index("uq_api_keys_secret_hash", "secret_hash", unique=True),
     sa.Index("ix_api_keys_tenant", "tenant_id"),
+    sa.Index(
+        "uq_api_keys_access_key_id",
+        "access_key_id",
+        unique=True,
+        postgresql_where=sa.text("access_key_id IS NOT NULL"),
+    ),
 )
 
 # A client session (Tinker `create_session`): groups the training and sampling sessions that
@@ -206,6 +217,8 @@ checkpoints = sa.Table(
     # made by copy_weights: the source path and the request's idempotency key
     sa.Column("copied_from", sa.Text),
     sa.Column("copy_request_key", sa.Text),
+    # what the save said of itself (SageMaker's saveWeights/saveState `description`)
+    sa.Column("description", sa.Text),
     sa.Index("ix_checkpoints_tenant", "tenant_id"),
     sa.Index(
         "uq_checkpoints_copy_request",
@@ -223,6 +236,19 @@ checkpoints = sa.Table(
     sa.UniqueConstraint(
         "tenant_id", "model_package_group", "version", name="uq_checkpoints_version"
     ),
+)
+
+# Model package groups a tenant created by name (SageMaker's CreateModelPackageGroup, or the first
+# SageMaker training session naming one); checkpoints name their group by text, so a group a
+# Tinker session's saves made exists without a row (migration 0012).
+model_package_groups = sa.Table(
+    "model_package_groups",
+    metadata,
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), primary_key=True),
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("description", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("created_by", sa.Text),
 )
 
 # Projection: the platform's own checkpoints of a session, from which recovery starts. `kind` is
@@ -305,6 +331,48 @@ recorded_samples = sa.Table(
     sa.Column("last_used_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
     sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
     sa.Index("ix_recorded_samples_expires", "expires_at"),
+)
+
+# --- SageMaker's training-session API (see migrations/versions/0012_sagemaker.py) ------------
+
+# A training session created through SageMaker's CreateTrainingSession: its name (unique among
+# the tenant's undeleted ones; the runtime addresses the session by it) and the request's
+# attributes Describe echoes (RoleArn, OutputConfig, VpcConfig, Tags, the base model's ARN).
+sagemaker_sessions = sa.Table(
+    "sagemaker_sessions",
+    metadata,
+    sa.Column("session_id", sa.Text, sa.ForeignKey("sessions.id"), primary_key=True),
+    sa.Column("tenant_id", sa.Text, sa.ForeignKey("tenants.id"), nullable=False),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("attributes", JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=NOW),
+    sa.Column("deleted_at", sa.DateTime(timezone=True)),
+    sa.Index(
+        "uq_sagemaker_sessions_live_name",
+        "tenant_id",
+        "name",
+        unique=True,
+        postgresql_where=sa.text("deleted_at IS NULL"),
+    ),
+)
+
+# An operation submitted through SageMaker's runtime: the operation it was there (forward,
+# forwardBackward, ..., computeLogprobs) and the client token that makes a resubmission answer
+# the same operation id.
+sagemaker_operations = sa.Table(
+    "sagemaker_operations",
+    metadata,
+    sa.Column("request_id", sa.Text, sa.ForeignKey("operations.request_id"), primary_key=True),
+    sa.Column("session_id", sa.Text, sa.ForeignKey("sessions.id"), nullable=False),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("client_token", sa.Text),
+    sa.Index(
+        "uq_sagemaker_operations_token",
+        "session_id",
+        "client_token",
+        unique=True,
+        postgresql_where=sa.text("client_token IS NOT NULL"),
+    ),
 )
 
 # --- metering (see migrations/versions/0005_metering.py) --------------------------------------

@@ -1,7 +1,8 @@
-"""What each loss takes: its float inputs (besides `target_tokens`), its `loss_fn_config` keys
-with default and accepted range, and which of those keys a datum may also give per token as a
-`loss_fn_inputs` tensor. The API validates against it; the engine builds its loss functions from
-it, so there is one source of truth. Formulas and sources: docs/losses-and-sampling.md.
+"""What each loss takes: its float inputs (besides `target_tokens`), the optional ones with the
+value a datum that omits them gets, its `loss_fn_config` keys with default and accepted range,
+and which of those keys a datum may also give per token as a `loss_fn_inputs` tensor. The API
+validates against it; the engine builds its loss functions from it, so there is one source of
+truth. Formulas and sources: docs/losses-and-sampling.md.
 Imports nothing from api, gpu_worker or torch.
 """
 
@@ -33,6 +34,9 @@ class LossSpec:
     # config keys a datum may also send as a float32 [T] loss_fn_inputs tensor, one value per
     # token, overriding loss_fn_config for that datum (the tinker SDK types these inputs)
     per_token_config: tuple[str, ...] = ()
+    # float32 [T] inputs a datum may omit -> the value every token gets when it does (the RL
+    # losses' per-token `weights` mask, which SageMaker's API sends: absent, every token weighs 1)
+    optional_inputs: Mapping[str, float] = field(default_factory=dict)
     # float inputs that must mark (hold a nonzero value at) at least one token of each datum
     nonzero_inputs: tuple[str, ...] = ()
     # loss_fn_inputs a datum may send that this loss does not read (stable_reinforce takes the
@@ -50,13 +54,13 @@ class LossSpec:
     @property
     def accepted_inputs(self) -> tuple[str, ...]:
         """Every loss_fn_inputs name a datum may send: the required ones, then the optional."""
-        return (*self.inputs, *self.per_token_config, *self.ignored_inputs)
+        return (*self.inputs, *self.optional_inputs, *self.per_token_config, *self.ignored_inputs)
 
     @property
     def tensor_inputs(self) -> tuple[str, ...]:
         """The per-token float arrays the loss computes with, besides `target_tokens`."""
         recorded = RECORDED_INPUTS if self.reads_provenance else ()
-        return (*self.float_inputs, *self.per_token_config, *recorded)
+        return (*self.float_inputs, *self.optional_inputs, *self.per_token_config, *recorded)
 
 
 # Per target token, from the sequences the datum's provenance names: the sampler's own logprob
@@ -64,6 +68,8 @@ class LossSpec:
 RECORDED_INPUTS = ("sampler_logprobs", "sampled_mask")
 
 _RL_INPUTS = ("logprobs", "advantages")
+# A per-token mask on the loss (each token's term times its weight); omitted, every weight is 1.
+_WEIGHTS = {"weights": 1.0}
 # Clip ranges as SageMaker accepts them: low in [0, 1], high in [1, 10].
 _CLIP = {"clip_low_threshold": (0.8, 0.0, 1.0), "clip_high_threshold": (1.2, 1.0, 10.0)}
 _CLIP_KEYS = tuple(_CLIP)
@@ -72,9 +78,9 @@ LOSS_SPECS: dict[str, LossSpec] = {
     spec.name: spec
     for spec in (
         LossSpec("cross_entropy", ("weights",)),
-        LossSpec("importance_sampling", _RL_INPUTS),
-        LossSpec("ppo", _RL_INPUTS, _CLIP, per_token_config=_CLIP_KEYS),
-        LossSpec("cispo", _RL_INPUTS, _CLIP, per_token_config=_CLIP_KEYS),
+        LossSpec("importance_sampling", _RL_INPUTS, optional_inputs=_WEIGHTS),
+        LossSpec("ppo", _RL_INPUTS, _CLIP, per_token_config=_CLIP_KEYS, optional_inputs=_WEIGHTS),
+        LossSpec("cispo", _RL_INPUTS, _CLIP, per_token_config=_CLIP_KEYS, optional_inputs=_WEIGHTS),
         LossSpec("dro", _RL_INPUTS, {"beta": (0.05, 0.0, float("inf"))}),
         LossSpec(
             "gspo",

@@ -82,6 +82,7 @@ def resolve(conn: sa.Connection, principal: Principal, model: str) -> Target:
             samplers.c.tenant_id == principal.tenant_id,
             samplers.c.snapshot_id.is_not(None),
             ~samplers.c.id.like(f"{session.id}:openai:%"),
+            ~samplers.c.id.like(f"{session.id}:sagemaker:%"),  # a package's: not a snapshot
         )
         .order_by(samplers.c.created_at.desc())
         .limit(1)
@@ -138,17 +139,6 @@ def _current_sampler(db: sa.Engine, base: str) -> tuple[str, bool]:
     if status.get(newest) in sessions_core.ACTIVE_STATUSES:
         return newest, True
     return (base if not status else f"{base}:{len(status)}"), False
-
-
-def next_seq(conn: sa.Connection, sampler: str) -> int:
-    """A seq_id of `sampler` no other request has: one atomic increment of its row."""
-    value = conn.execute(
-        sa.update(samplers)
-        .where(samplers.c.id == sampler)
-        .values(next_seq_id=samplers.c.next_seq_id + 1)
-        .returning(samplers.c.next_seq_id)
-    ).scalar_one()
-    return int(value) - 1
 
 
 def _client_session(db: sa.Engine, principal: Principal) -> str:
@@ -216,7 +206,6 @@ __all__ = [
     "Target",
     "listed",
     "model_not_found",
-    "next_seq",
     "resolve",
     "sampler_for",
 ]

@@ -4,7 +4,8 @@ A key is `tml-<public id>-<secret>`: the public id names its row (key id `key-<p
 secret is 32 random bytes (urlsafe base64). Only the SHA-256 of the whole key is stored, so a key
 is shown once, when it is minted; lookups go by key id with a constant-time comparison of the
 hash (keys seeded from TREADLE_ADMIN_KEY, whose text the operator chose, by the hash's unique
-index). The plaintext is never stored, logged or put in an error message.
+index). The plaintext is never stored, logged or put in an error message. A key may also carry
+an AWS-style access key pair for SigV4 (`access_keys`); listings show its id, never its secret.
 Imports nothing from api, gpu_worker, flask or torch.
 """
 
@@ -64,6 +65,8 @@ class ApiKey:
     last_used_at: datetime | None
     revoked_at: datetime | None
     revoked_by: str | None
+    # The access key id of a key minted with an AWS-style pair (tenancy/access_keys), else None.
+    access_key_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ def mint_key(
         )
         .returning(*api_keys.c)
     ).one()
-    return NewKey(_api_key(row), plaintext)
+    return NewKey(api_key_from_row(row), plaintext)
 
 
 def create_tenant_key(
@@ -199,14 +202,14 @@ def list_keys(
         .where(api_keys.c.tenant_id == tenant_id)
         .order_by(api_keys.c.created_at, api_keys.c.id)
     )
-    return [_api_key(r) for r in rows]
+    return [api_key_from_row(r) for r in rows]
 
 
 def get_key(conn: sa.Connection, principal: Principal, key_id: str) -> ApiKey:
     """One key: a key may read itself, an admin its tenant's keys, the operator any."""
     if key_id != principal.key_id:
         require_tenant_admin(principal, principal.tenant_id, "reading another key")
-    return _api_key(_scoped_row(conn, principal, key_id))
+    return api_key_from_row(_scoped_row(conn, principal, key_id))
 
 
 def revoke_key(conn: sa.Connection, principal: Principal, key_id: str) -> ApiKey:
@@ -216,7 +219,7 @@ def revoke_key(conn: sa.Connection, principal: Principal, key_id: str) -> ApiKey
         require_tenant_admin(principal, principal.tenant_id, "revoking another key")
     row = _scoped_row(conn, principal, key_id)
     if row.revoked_at is not None:
-        return _api_key(row)
+        return api_key_from_row(row)
     if row.role == Role.OPERATOR:
         if not principal.is_operator:
             raise PermissionDeniedError(f"only the operator may revoke operator key {key_id}")
@@ -228,9 +231,9 @@ def revoke_key(conn: sa.Connection, principal: Principal, key_id: str) -> ApiKey
         .returning(*api_keys.c)
     ).first()
     if revoked is None:  # revoked concurrently
-        return _api_key(_scoped_row(conn, principal, key_id))
+        return api_key_from_row(_scoped_row(conn, principal, key_id))
     log.info("key %s of tenant %s revoked by %s", key_id, row.tenant_id, principal.key_id)
-    return _api_key(revoked)
+    return api_key_from_row(revoked)
 
 
 def authenticate(conn: sa.Connection, plaintext: str | None) -> Principal:
@@ -255,6 +258,13 @@ def authenticate(conn: sa.Connection, plaintext: str | None) -> Principal:
             f"tenant {row.tenant_id} is disabled: its keys are refused until the operator "
             "enables it again"
         )
+    mark_used(conn, row)
+    return Principal(key_id=row.id, tenant_id=row.tenant_id, role=row.role)
+
+
+def mark_used(conn: sa.Connection, row: Any) -> None:
+    """Refresh the key's `last_used_at` when it is older than LAST_USED_RESOLUTION. `row` has
+    the key's `id`, `last_used_at` and the database's `now`."""
     if row.last_used_at is None or row.last_used_at < row.now - LAST_USED_RESOLUTION:
         conn.execute(
             sa.update(api_keys)
@@ -267,7 +277,6 @@ def authenticate(conn: sa.Connection, plaintext: str | None) -> Principal:
             )
             .values(last_used_at=sa.func.now())
         )
-    return Principal(key_id=row.id, tenant_id=row.tenant_id, role=row.role)
 
 
 def _find(conn: sa.Connection, plaintext: str, presented: str) -> Any:
@@ -322,7 +331,8 @@ def _refuse_last_operator_key(conn: sa.Connection, key_id: str) -> None:
         )
 
 
-def _api_key(row: Any) -> ApiKey:
+def api_key_from_row(row: Any) -> ApiKey:
+    """An `api_keys` row as listed: never its hash nor its secret's ciphertext."""
     return ApiKey(
         id=row.id,
         tenant_id=row.tenant_id,
@@ -333,4 +343,5 @@ def _api_key(row: Any) -> ApiKey:
         last_used_at=row.last_used_at,
         revoked_at=row.revoked_at,
         revoked_by=row.revoked_by,
+        access_key_id=row.access_key_id,
     )

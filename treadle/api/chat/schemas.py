@@ -1,4 +1,4 @@
-"""Request bodies of the OpenAI-compatible routes (`routes_openai`), and their parsing.
+"""OpenAI's completion request bodies (the OpenAI-compatible routes', SageMaker's inference), parsed.
 
 Every field OpenAI defines that Treadle serves is here; any other field (an unsupported OpenAI
 parameter such as `tools`, or a misspelling) is a 400 naming it in OpenAI's `param`, as is a

@@ -1,0 +1,127 @@
+"""One chat or text completion: its Sample admitted on the sampler that serves its target, then
+the whole answer once the sample settles, or its tokens streamed as server-sent events.
+
+Each request is an ordinary Sample (admitted with `submit`, metered, quota-checked, batched); its
+answer waits on the operation's done notice like retrieve_future, or follows the sample's
+progress (`progress`). Refusals are raised as platform errors (ParamError naming the OpenAI
+parameter); each surface answers them in its own error shape. Imports platform only; never
+torch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flask import Response
+
+from treadle.api.admission import submit
+from treadle.api.chat.answers import Shape
+from treadle.api.chat.schemas import ChatCompletionRequest, CompletionRequest, ParamError
+from treadle.api.context import principal, services
+from treadle.platform import db
+from treadle.platform.errors import TreadleError, ValidationError
+from treadle.platform.eventlog import progress
+from treadle.platform.eventlog.optypes import OpStatus
+from treadle.platform.operations import commands, operations
+from treadle.platform.serving import openai_models, openai_serving
+from treadle.platform.sessions import sessions as sessions_core
+
+WAIT_SECONDS = 600  # a sample that takes longer answers 504; its result stays retrievable
+
+
+def chat(body: ChatCompletionRequest, target: openai_models.Target) -> Any:
+    """Serve a chat completion request on `target` (a JSON answer or an SSE response)."""
+    if body.top_logprobs and not body.logprobs:
+        raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
+    messages = [{"role": m.role if m.role != "developer" else "system", "content": m.content}
+                for m in body.messages]  # fmt: skip
+    model = services().models.get(target.base_model)
+    tokens = openai_serving.chat_tokens(model, services().config.cache_dir, messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return serve(body, target, tokens, body.top_logprobs or 0, chat=True,
+                 want_logprobs=body.logprobs,
+                 max_tokens=max_tokens or openai_serving.DEFAULT_CHAT_TOKENS)  # fmt: skip
+
+
+def serve(body: CompletionRequest | ChatCompletionRequest, target: openai_models.Target,
+          tokens: list[int], top_k: int, *, chat: bool, want_logprobs: bool,
+          max_tokens: int) -> Any:  # fmt: skip
+    svc, who = services(), principal()
+    stop = body.stops()
+    try:
+        payload = openai_serving.payload(
+            target, svc.models.get(target.base_model), tokens, max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p, n=body.n, seed=body.seed, stop=stop, top_logprobs=top_k,
+        )  # fmt: skip
+    except ValidationError as exc:  # the prompt and max_tokens do not fit the model's context
+        raise ParamError(exc.message, "max_tokens") from None
+    sampler, session_id = openai_models.sampler_for(svc.deps, who, target)
+    with svc.db.begin() as conn:
+        seq = sessions_core.next_sampler_seq(conn, sampler)
+    shape = Shape(
+        body.model,
+        chat,
+        want_logprobs,
+        top_k,
+        stop,
+        len(tokens),
+        svc.models.get(target.base_model),
+        svc.config.cache_dir,
+        body.n,
+    )
+    if not body.stream:
+        admission = submit(session_id, seq, payload, sampler_id=sampler)
+        op = wait(admission.request_id)
+        return shape.answer(op.result)
+
+    def settled() -> bool:  # asked while no message comes: a lost done notice never hangs us
+        with db.reading(svc.db) as conn:
+            return operations.get_operation(conn, who, follower.request_id).is_done
+
+    follower = progress.follow(svc.redis, "", timeout_seconds=WAIT_SECONDS, is_done=settled)
+
+    def mark(admission: operations.Admission) -> None:  # before the commit: nothing is missed
+        progress.want_progress(svc.redis, admission.request_id)
+        follower.request_id = admission.request_id
+        follower.__enter__()
+
+    try:
+        admission = commands.submit(
+            svc.deps, who, session_id, seq, payload, sampler_id=sampler, on_admitted=mark
+        )
+    except BaseException:
+        follower.close()
+        raise
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    events = shape.stream(
+        svc.redis, follower, admission.request_id, include_usage, who, svc.db, svc.deps
+    )
+    return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def wait(request_id: str) -> operations.OperationRow:
+    """The settled operation `request_id`; its error raised if it failed."""
+    svc, who = services(), principal()
+
+    def check() -> operations.OperationRow | None:
+        with db.reading(svc.db) as conn:
+            op = operations.get_operation(conn, who, request_id)
+        return op if op.is_done else None
+
+    deadline = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < deadline:
+        op = svc.notices.wait_until(request_id, check, svc.config.long_poll_seconds)
+        if op is not None:
+            if op.status == OpStatus.FAILED:
+                raise _failed(op)
+            return op
+    raise progress.ProgressTimeoutError(f"request {request_id} did not finish in {WAIT_SECONDS} s")
+
+
+def _failed(op: operations.OperationRow) -> TreadleError:
+    error = TreadleError(str(op.error["message"]))
+    error.status = 400 if op.error.get("category") == "user" else 500
+    error.code = str(op.error.get("code") or "sample_failed")
+    return error
