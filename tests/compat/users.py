@@ -32,7 +32,8 @@ def user_env(base_url: str, key: str, hf_home: Path, **extra: str) -> dict[str, 
 
 def new_aws_user(platform: Platform, name: str) -> dict[str, str]:
     """A new tenant `<name>-<random>` and its admin's key minted with an access key pair, as
-    `treadle keys create --aws` mints it: tenant_id, api_key, access_key_id, secret_access_key."""
+    `treadle keys create --aws` mints it: tenant_id, key_id, api_key, access_key_id and
+    secret_access_key."""
     operator = AdminClient(platform.base_url, platform.admin_key)
     try:
         tenant = operator.create_tenant(f"{name}-{secrets.token_hex(3)}")
@@ -45,6 +46,7 @@ def new_aws_user(platform: Platform, name: str) -> dict[str, str]:
         admin.close()
     return {
         "tenant_id": tenant["tenant"]["id"],
+        "key_id": minted["key"]["id"],
         "api_key": minted["api_key"],
         "access_key_id": minted["access_key_id"],
         "secret_access_key": minted["secret_access_key"],

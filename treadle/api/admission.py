@@ -43,7 +43,7 @@ def parse_training(model: type[B]) -> B:
 
 def submit(
     session_id: str,
-    seq_id: int,
+    seq_id: int | Callable[[sa.Connection], int],
     payload: Payload,
     *,
     sampler_id: str | None = None,

@@ -48,8 +48,9 @@ def save(
     session_id: str,
     tenant_id: str,
     payload: SaveWeights,
-) -> tuple[dict[str, Any], Callable[[sa.Connection], None]]:
-    """Write the checkpoint; returns the result and the registration to run at settlement."""
+) -> tuple[dict[str, Any], Callable[[sa.Connection], dict[str, Any]]]:
+    """Write the checkpoint; returns the result and the registration to run at settlement,
+    which adds the version it registered (`model_package_group`, `version`) to the result."""
     path = checkpoints.parse_path(payload.path)
     folder = Path(tempfile.mkdtemp(prefix="treadle-save-"))
     try:
@@ -61,7 +62,7 @@ def save(
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
-    def register(conn: sa.Connection) -> None:
+    def register(conn: sa.Connection) -> dict[str, Any]:
         saved = checkpoints.register(
             conn,
             tenant_id=tenant_id,
@@ -81,6 +82,7 @@ def save(
             {"path": str(path), "version": saved.version, "group": saved.model_package_group,
              "size_bytes": size, "merged": saved.is_merged},
         )  # fmt: skip
+        return {"model_package_group": saved.model_package_group, "version": saved.version}
 
     return {"path": str(path)}, register
 

@@ -10,7 +10,7 @@ never api.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,8 @@ from treadle.platform.eventlog.optypes import (
     SaveWeightsForSampler,
 )
 
-Registration = Callable[[sa.Connection], None]
+# Runs in the settlement's transaction; returns fields to add to the result (or None).
+Registration = Callable[[sa.Connection], Mapping[str, Any] | None]
 
 
 def no_tokens() -> dict[str, int]:

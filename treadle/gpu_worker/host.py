@@ -643,7 +643,7 @@ class SessionHost:
             return None
         if settled.is_new:
             notice = operations.outcome_notice(
-                op.type, result, error, max_bytes=notify.MAX_OUTCOME_BYTES
+                op.type, settled.result, error, max_bytes=notify.MAX_OUTCOME_BYTES
             )
             notify.publish_done(self.redis, op.request_id, notice)
             telemetry.settled(self.worker_id, op, error, seconds, started_at)

@@ -14,6 +14,7 @@ __all__ = [
     "AuthenticationError",
     "ConflictError",
     "GoneError",
+    "InactiveSessionError",
     "NotFoundError",
     "OperationCancelledError",
     "LimitError",
@@ -50,6 +51,10 @@ class ValidationError(TreadleError, ValueError):
     status = 400
     code = "invalid_request"
     category = "user"
+
+
+class InactiveSessionError(ValidationError):
+    """An operation for a session that no longer runs (stopped, expired, failed, diverged)."""
 
 
 class AuthenticationError(TreadleError, PermissionError):

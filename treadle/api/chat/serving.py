@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import sqlalchemy as sa
 from flask import Response
 
 from treadle.api.admission import submit
@@ -58,8 +59,10 @@ def serve(body: CompletionRequest | ChatCompletionRequest, target: openai_models
     except ValidationError as exc:  # the prompt and max_tokens do not fit the model's context
         raise ParamError(exc.message, "max_tokens") from None
     sampler, session_id = openai_models.sampler_for(svc.deps, who, target)
-    with svc.db.begin() as conn:
-        seq = sessions_core.next_sampler_seq(conn, sampler)
+
+    def seq(conn: sa.Connection) -> int:  # allocated in the admission's transaction
+        return sessions_core.next_sampler_seq(conn, sampler)
+
     shape = Shape(
         body.model,
         chat,

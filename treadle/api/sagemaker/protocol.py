@@ -13,6 +13,7 @@ Imports platform only; never torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -159,14 +160,24 @@ def read_json() -> Any:
 
 
 def answer(data: dict[str, Any], *, runtime: bool | None = None) -> Response:
-    """A successful answer: `data` as JSON (datetimes as epoch seconds, non-finite floats as
-    the strings botocore reads back)."""
+    """A successful answer: `data` as JSON, members that are None left out, datetimes as epoch
+    seconds and non-finite floats as the strings botocore reads back. A runtime answer (a
+    result: long lists of numbers, no None member) is encoded as it is unless it holds a
+    non-finite float; only then is it walked."""
     runtime = is_runtime() if runtime is None else runtime
-    return Response(
-        json.dumps(_wire(data), separators=(",", ":"), allow_nan=False),
-        status=200,
-        mimetype=REST_JSON if runtime else JSON_11,
-    )
+    text = None
+    if runtime:
+        with contextlib.suppress(ValueError):  # a non-finite float, e.g. a NaN loss
+            text = json.dumps(data, separators=(",", ":"), allow_nan=False, default=_time)
+    if text is None:
+        text = json.dumps(_wire(data), separators=(",", ":"), allow_nan=False, default=_time)
+    return Response(text, status=200, mimetype=REST_JSON if runtime else JSON_11)
+
+
+def _time(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.timestamp()
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _wire(value: Any) -> Any:

@@ -18,7 +18,7 @@ def operation(
     session_id: str,
     tenant_id: str,
     type: str,
-    seq_id: int,
+    seq_id: int | None,
     outcome: str,
     queue_wait_seconds: float | None = None,
     execution_seconds: float | None = None,

@@ -55,7 +55,7 @@ def submit(
     deps: Deps,
     principal: Principal,
     session_id: str,
-    seq_id: int,
+    seq_id: int | Callable[[sa.Connection], int],
     payload: Payload,
     *,
     sampler_id: str | None = None,
@@ -70,12 +70,14 @@ def submit(
     The request is in the log once this commits; a wake-up that cannot be sent (the broker is
     down) is only logged: the worker's lease keeper re-wakes operations left pending. The
     tenant's quota (request rate, reservation) is read in the same transaction, on the same
-    connection.
+    connection. `seq_id` may be a function that allocates one in that transaction (a sampler
+    whose seq_ids the server gives out: `sessions.next_sampler_seq`).
     """
+    seq: int | None = None if callable(seq_id) else seq_id
 
     def logged(outcome: str, request_id: str | None, error_code: str | None = None) -> None:
         oplog.operation(request_id=request_id, session_id=session_id,
-                        tenant_id=principal.tenant_id, type=payload.TYPE, seq_id=seq_id,
+                        tenant_id=principal.tenant_id, type=payload.TYPE, seq_id=seq,
                         outcome=outcome, error_code=error_code)  # fmt: skip
 
     try:
@@ -86,11 +88,14 @@ def submit(
                 limiter.check(principal.tenant_id, quota.requests_per_second)
 
         with deps.db.begin() as conn:
+            if callable(seq_id):
+                seq = seq_id(conn)
+            assert seq is not None
             admission = operations.admit(
                 conn,
                 principal,
                 session_id,
-                seq_id,
+                seq,
                 payload,
                 sampler_id=sampler_id,
                 metering=deps.config.metering,

@@ -28,7 +28,12 @@ from treadle.platform import metrics
 from treadle.platform.billing import metering as metering_core
 from treadle.platform.billing import prices
 from treadle.platform.billing.quotas import Quota, quota_from_row
-from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
+from treadle.platform.errors import (
+    ConflictError,
+    InactiveSessionError,
+    NotFoundError,
+    ValidationError,
+)
 from treadle.platform.eventlog import events
 from treadle.platform.eventlog.optypes import OpStatus, OpType, Payload
 from treadle.platform.eventlog.schema import events as event_rows
@@ -197,6 +202,8 @@ class Settlement:
     # The lowest training seq_id of the session still pending after this operation when it was
     # settled (None: none was; one admitted since gets a wake-up of its own).
     next_pending: int | None = None
+    # The result as written (with what `also` added to it), for the completion notice.
+    result: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -343,15 +350,15 @@ def admit(
             )
         return Admission(existing.request_id, session_id, is_new=False)
     if session.status == SessionStatus.EXPIRED:
-        raise ValidationError(expired_message(session_id))
+        raise InactiveSessionError(expired_message(session_id))
     if session.status in (SessionStatus.DIVERGED, SessionStatus.FAILED):
         what = "diverged from its log" if session.status == SessionStatus.DIVERGED else "failed"
-        raise ValidationError(
+        raise InactiveSessionError(
             f"model {session_id} {what} and was stopped (see its events); start a new training "
             "client from a saved checkpoint to continue"
         )
     if not session.is_active:
-        raise ValidationError(
+        raise InactiveSessionError(
             f"model {session_id} is {session.status}; create a new training client to continue"
         )
     if session.is_replay and payload.changes_state and op_type != OpType.REBUILD:
@@ -512,7 +519,7 @@ def settle(
     error: Mapping[str, Any] | None,
     usage: Mapping[str, Any],
     state: Mapping[str, str] | None = None,
-    also: Callable[[sa.Connection], None] | None = None,
+    also: Callable[[sa.Connection], Mapping[str, Any] | None] | None = None,
     metering: bool = True,
 ) -> Settlement:
     """Record an operation's outcome; `Settlement.is_new` is False when it had already been
@@ -521,7 +528,9 @@ def settle(
 
     Raises StaleLeaseError when this worker no longer holds the session's lease at `lease_epoch`.
     `state` holds the adapter's state hashes after a state-changing operation. `also` runs inside
-    the same transaction when the operation succeeded (e.g. registering the checkpoint it saved).
+    the same transaction when the operation succeeded (e.g. registering the checkpoint it saved);
+    the fields it returns are added to the result (the registry version of a save), in the
+    operation's row and its event alike.
     """
     row = conn.execute(
         _OUTCOME,
@@ -562,12 +571,18 @@ def settle(
     data = {"request_id": op.request_id, "seq_id": op.seq_id, "type": op.type, **usage}
     charge = None
     if error is None:
+        added = also(conn) if also is not None else None
+        if added:
+            result = {**(result or {}), **added}
+            conn.execute(
+                sa.update(operations)
+                .where(operations.c.request_id == op.request_id)
+                .values(result=result)
+            )
         completed = {**data, "result": result}
         if state is not None:
             completed["state"] = dict(state)
         _append_outcome(conn, op, "OperationCompleted", completed, applied)
-        if also is not None:
-            also(conn)
         if metering and not session.is_replay:  # a replay is never billed
             charge = metering_core.charge(
                 conn,
@@ -583,7 +598,9 @@ def settle(
         _append_outcome(conn, op, "OperationFailed", {**data, "error": error}, applied)
         if metering:
             metering_core.release(conn, [op.request_id])
-    return Settlement(is_new=True, charge=charge, next_pending=row.outcome_next_pending)
+    return Settlement(
+        is_new=True, charge=charge, next_pending=row.outcome_next_pending, result=result
+    )
 
 
 def _append_outcome(

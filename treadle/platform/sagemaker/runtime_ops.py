@@ -79,6 +79,16 @@ def by_token(conn: sa.Connection, session_id: str, client_token: str) -> Submitt
     return None if row is None else Submitted(row[0], row[1], row[2], Kind(row[3]))
 
 
+def token_of(conn: sa.Connection, request_id: str) -> str | None:
+    """The client token operation `request_id` was submitted with (None: none, or not the
+    runtime's)."""
+    return conn.execute(
+        sa.select(sagemaker_operations.c.client_token).where(
+            sagemaker_operations.c.request_id == request_id
+        )
+    ).scalar_one_or_none()
+
+
 def get(
     conn: sa.Connection, principal: Principal, session_id: str, request_id: str
 ) -> tuple[OperationRow, Kind]:
