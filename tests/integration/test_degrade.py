@@ -68,7 +68,7 @@ class Sweep:
                 "run_id": model, "checkpoint_id": "weights/nope", "sampler": ids["sampler"],
                 "filename": "nope", "key_id": "key-nope", "tenant_id": "degrade-nope",
                 "token": "nope", "org": "treadle", "name": "tiny-debug", "revision": "main",
-                "path": "tokenizer.json"}  # fmt: skip
+                "path": "tokenizer.json", "operation_id": "nope"}  # fmt: skip
         for rule in sorted(self.app.url_map.iter_rules(), key=lambda r: r.rule):
             path = rule.rule
             for name in rule.arguments:

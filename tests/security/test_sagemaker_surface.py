@@ -192,6 +192,32 @@ def test_a_bad_create_is_refused_and_records_nothing(
     assert secure.event_count() == before
 
 
+def test_the_session_quota_is_resource_limit_exceeded(
+    client: SignedClient, secure: SecureApp
+) -> None:
+    tenant = client_tenant(secure, client)
+    quota = secure.call("PATCH", f"/api/v1/treadle/quotas/{tenant}", secure.operator_key,
+                        json={"max_sessions": 1})  # fmt: skip
+    assert quota.status_code == 200, quota.get_data(as_text=True)
+    assert create(client, "first").status == 200
+    second = create(client, "second")
+    assert (second.status, second.code) == (400, "ResourceLimitExceeded")
+    assert "limit" in second.body["message"]
+    assert describe(client, "second").code == "ResourceNotFound"  # nothing was created
+
+
+def test_a_spent_budget_is_a_402_the_sdk_does_not_retry(
+    client: SignedClient, secure: SecureApp
+) -> None:
+    create(client, "budget")
+    tenant = client_tenant(secure, client)
+    secure.call("PATCH", f"/api/v1/treadle/quotas/{tenant}", secure.operator_key,
+                json={"monthly_tokens": 2})  # fmt: skip
+    answer = client.runtime("POST", "/v1/training-sessions/budget/operations", fb(1, "b", datum()))
+    assert (answer.status, answer.code) == (402, "ServiceQuotaExceededException")
+    assert answer.error_type == "ServiceQuotaExceededException"
+
+
 def test_stop_is_final_and_a_repeat_says_so_in_sagemakers_words(client: SignedClient) -> None:
     create(client, "stopper")
     assert client.control("StopTrainingSession", {"TrainingSessionName": "stopper"}).status == 200

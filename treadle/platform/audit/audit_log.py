@@ -66,8 +66,9 @@ def read_day(conn: sa.Connection, principal: Principal, category: str, day: date
     start = datetime.combine(day, time.min, UTC)
     e, prev = events.alias("e"), events.alias("prev")
     is_load = sa.and_(e.c.type == "OperationRequested", e.c.data["type"].astext == LOAD)
-    # A checkpoint save is appended by the worker right after the OperationCompleted of the
-    # save_weights request that made it (in its transaction): that request's key is its actor.
+    # A checkpoint save is appended by the worker beside the OperationCompleted of the
+    # save_weights request that made it (in its transaction; before it since that completion
+    # records the version): that request's key is its actor.
     query = (
         sa.select(
             e.c.type,
@@ -84,8 +85,10 @@ def read_day(conn: sa.Connection, principal: Principal, category: str, day: date
                 sa.and_(
                     e.c.type == "CheckpointSaved",
                     prev.c.session_id == e.c.session_id,
-                    prev.c.seq == e.c.seq - 1,
+                    # right before it, or (a save that records its version) right after
+                    prev.c.seq.in_([e.c.seq - 1, e.c.seq + 1]),
                     prev.c.type == "OperationCompleted",
+                    prev.c.data["result"]["path"].astext == e.c.data["path"].astext,
                 ),
             )
             .outerjoin(operations, operations.c.request_id == prev.c.data["request_id"].astext)
