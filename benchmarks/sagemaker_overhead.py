@@ -7,8 +7,8 @@ database (the same app `create_app` builds), timing every request it answers fro
 to its answer (Flask's before/after request hooks), less the time it waited for the worker (a
 long-poll's wait for the result's notice, not its reads of the database: the tinker SDK polls
 at once, SageMaker's when asked).
-Operations go one at a time: each is submitted through the SDK, settled by the worker, then its
-result fetched. Server time per operation = median submit + median fetch; the ratio is
+Operations go one at a time, the two surfaces' alternating: each is submitted through the SDK,
+settled by the worker, then its result fetched. Server time per operation = median submit + median fetch; the ratio is
 SageMaker's over Tinker's. Prints a table; record it in docs/benchmarks.md.
 
 Usage: python benchmarks/sagemaker_overhead.py [--ops 30] [--model treadle/tiny-debug]
@@ -27,7 +27,8 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -39,13 +40,14 @@ from waitress.server import create_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import treadle  # noqa: E402
+from tests.compat.users import aws_env, new_aws_user  # noqa: E402
 from treadle.api.app import create_app  # noqa: E402
-from treadle.client.admin import AdminClient  # noqa: E402
 from treadle.platform import db  # noqa: E402
 from treadle.platform.config import PlatformConfig  # noqa: E402
 from treadle.platform.embedded import free_port  # noqa: E402
 from treadle.recipes.platform_process import LocalPlatform  # noqa: E402
 
+Submits = dict[str, Callable[[], Any]]
 ROLE = "arn:aws:iam::123456789012:role/SageMakerTrainingSessionsRole"
 GROUP = "arn:aws:sagemaker:us-west-2:123456789012:model-package-group/bench"
 OPERATIONS = ("forward_backward", "optim_step", "sample", "save_weights")
@@ -122,28 +124,23 @@ def settled_count(engine: sa.Engine, tenant: str) -> int:
         )
 
 
-def phase(
-    timings: Timings, name: str, engine: sa.Engine, tenant: str, ops: int, submit: Callable[[], Any]
-) -> None:
-    """`ops` operations one at a time: each submitted, settled by the worker, then fetched."""
+def one(timings: Timings, name: str, engine: sa.Engine, tenant: str, submit: Any) -> None:
+    """One operation: submitted through the SDK, settled by the worker, then fetched."""
     timings.phase = name
-    for _ in range(ops):
-        before = settled_count(engine, tenant)
-        future = submit()
-        deadline = time.monotonic() + 600
-        while settled_count(engine, tenant) <= before:
-            assert time.monotonic() < deadline, f"{name} did not settle"
-            time.sleep(0.01)
-        future.result()
+    before = settled_count(engine, tenant)
+    future = submit()
+    deadline = time.monotonic() + 600
+    while settled_count(engine, tenant) <= before:
+        assert time.monotonic() < deadline, f"{name} did not settle"
+        time.sleep(0.01)
+    future.result()
     timings.phase = ""
 
 
-def sagemaker_run(base_url: str, pair: dict[str, str], model: str, ops: int, timings: Timings,
-                  engine: sa.Engine, tenant: str) -> None:  # fmt: skip
-    env = {"AWS_ENDPOINT_URL": base_url, "AWS_ACCESS_KEY_ID": pair["access_key_id"],
-           "AWS_SECRET_ACCESS_KEY": pair["secret_access_key"], "AWS_REGION": "us-west-2",
-           "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
-    with mock.patch.dict(os.environ, env):
+@contextmanager
+def sagemaker_session(base_url: str, pair: dict[str, str], model: str) -> Iterator[Submits]:
+    """A session through SageMaker's SDK: one submit per operation type."""
+    with mock.patch.dict(os.environ, aws_env(base_url, pair)):
         from sagemaker.train.training_session import (
             AdamParams,
             Datum,
@@ -165,7 +162,7 @@ def sagemaker_run(base_url: str, pair: dict[str, str], model: str, ops: int, tim
             })  # fmt: skip
             sampler = tc.save_weights_and_get_sampling_client()
             params = SamplingParams(max_tokens=512, temperature=1.0, seed=1)
-            submits = {
+            yield {
                 "forward_backward": lambda: tc.forward_backward([datum], loss_fn="cross_entropy"),
                 "optim_step": lambda: tc.optim_step(AdamParams(learning_rate=1e-4)),
                 "sample": lambda: sampler.sample(
@@ -173,12 +170,11 @@ def sagemaker_run(base_url: str, pair: dict[str, str], model: str, ops: int, tim
                 ),  # fmt: skip
                 "save_weights": lambda: tc.save_weights_for_sampler(),
             }
-            for op in OPERATIONS:
-                phase(timings, f"sagemaker:{op}", engine, tenant, ops, submits[op])
 
 
-def tinker_run(base_url: str, api_key: str, model: str, ops: int, timings: Timings,
-               engine: sa.Engine, tenant: str) -> None:  # fmt: skip
+@contextmanager
+def tinker_session(base_url: str, api_key: str, model: str) -> Iterator[Submits]:
+    """A session through the tinker SDK (Treadle's): one submit per operation type."""
     svc = treadle.ServiceClient(base_url=base_url, api_key=api_key)
     try:
         with svc.create_lora_training_client(model, rank=8, alpha=16) as tc:
@@ -190,26 +186,14 @@ def tinker_run(base_url: str, api_key: str, model: str, ops: int, timings: Timin
             sampler = tc.save_weights_and_get_sampling_client()
             params = treadle.SamplingParams(max_tokens=512, temperature=1.0, seed=1)
             counter = iter(range(10**6))
-            submits = {
+            yield {
                 "forward_backward": lambda: tc.forward_backward([datum], loss_fn="cross_entropy"),
                 "optim_step": lambda: tc.optim_step(treadle.AdamParams(learning_rate=1e-4)),
                 "sample": lambda: sampler.sample([1, 2, 3], num_samples=1, sampling_params=params),
                 "save_weights": lambda: tc.save_weights_for_sampler(f"w-{next(counter)}"),
             }
-            for op in OPERATIONS:
-                phase(timings, f"tinker:{op}", engine, tenant, ops, submits[op])
     finally:
         svc.close()
-
-
-def new_user(base_url: str, admin_key: str) -> dict[str, Any]:
-    operator = AdminClient(base_url, admin_key)
-    tenant = operator.create_tenant(f"bench-{secrets.token_hex(3)}")
-    operator.close()
-    admin = AdminClient(base_url, tenant["api_key"])
-    pair = admin.create_key(aws=True)
-    admin.close()
-    return {**pair, "tenant_id": tenant["tenant"]["id"]}
 
 
 def main() -> int:
@@ -236,19 +220,22 @@ def main() -> int:
             threading.Thread(target=server.run, daemon=True).start()
             base_url = f"http://127.0.0.1:{server.effective_port}"
             engine = db.connect(state["database_url"], pool_size=1)
-            sm_user = new_user(platform.base_url, key)
-            tk_user = new_user(platform.base_url, key)
-            # the Tinker route first, then SageMaker's, then each once more: both warm
-            for _ in range(2):
-                tinker_run(base_url, tk_user["api_key"], args.model, args.ops, timings, engine,
-                           tk_user["tenant_id"])  # fmt: skip
-                sagemaker_run(base_url, sm_user, args.model, args.ops, timings, engine,
-                              sm_user["tenant_id"])  # fmt: skip
+            sm_user = new_aws_user(platform, "bench")
+            tk_user = new_aws_user(platform, "bench")
+            with (
+                tinker_session(base_url, tk_user["api_key"], args.model) as tinker,
+                sagemaker_session(base_url, sm_user, args.model) as sagemaker,
+            ):
+                surfaces = {"tinker": (tinker, tk_user), "sagemaker": (sagemaker, sm_user)}
+                for op in OPERATIONS:  # the two surfaces' operations alternate, one each
+                    for _ in range(args.ops):
+                        for surface, (submits, user) in surfaces.items():
+                            one(timings, f"{surface}:{op}", engine, user["tenant_id"], submits[op])
             server.close()
             engine.dispose()
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
-    print(f"API time per operation, ms (medians of {args.ops} x 2 operations of each type, "
+    print(f"API time per operation, ms (medians of {args.ops} operations of each type, "
           f"{args.model}):")  # fmt: skip
     print(f"{'operation':18} {'tinker submit':>14} {'fetch':>7} {'sum':>7}   "
           f"{'sagemaker submit':>16} {'fetch':>7} {'sum':>7}   ratio")  # fmt: skip

@@ -17,8 +17,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 from unittest import mock
 
@@ -33,7 +31,7 @@ from botocore.credentials import Credentials
 from botocore.exceptions import ClientError
 
 import treadle
-from tests.compat.users import new_aws_user
+from tests.compat.users import aws_env, new_aws_user
 from tests.conftest import Platform
 from treadle.client.admin import AdminClient
 from treadle.client.billing import BillingClient
@@ -141,19 +139,6 @@ def ppo_rows(prompt: list[int], tokens: list[int], logprobs: list[float], advant
     )
 
 
-@contextmanager
-def sagemaker_env(platform: Platform, user: dict[str, str]) -> Iterator[None]:
-    keys = {
-        "AWS_ENDPOINT_URL": platform.base_url,
-        "AWS_ACCESS_KEY_ID": user["access_key_id"],
-        "AWS_SECRET_ACCESS_KEY": user["secret_access_key"],
-        "AWS_REGION": "us-west-2",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    with mock.patch.dict(os.environ, keys):
-        yield
-
-
 def sagemaker_loop(platform: Platform, user: dict[str, str]) -> dict[str, Any]:
     from sagemaker.train.training_session import (
         AdamParams,
@@ -165,7 +150,7 @@ def sagemaker_loop(platform: Platform, user: dict[str, str]) -> dict[str, Any]:
     )
 
     out: dict[str, Any] = {"losses": [], "samples": []}
-    with sagemaker_env(platform, user):
+    with mock.patch.dict(os.environ, aws_env(platform.base_url, user)):
         svc = ServiceClient(role_arn=ROLE, region="us-west-2")
         with svc.create_lora_training_client(
             TINY, training_session_name="equal-sm", rank=8, alpha=16,

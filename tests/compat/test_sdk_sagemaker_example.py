@@ -13,14 +13,13 @@ more step on each gives the same logprobs, and a weights-only resume does not).
 from __future__ import annotations
 
 import math
-import random
-import re
 import secrets
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.compat.sagemaker_gsm8k import reward, word_problems
 from tests.conftest import Platform
 from treadle import (  # the one line that differs from SageMaker's example
     AdamParams,
@@ -43,26 +42,6 @@ MODEL_PACKAGE_GROUP_ARN = f"arn:aws:sagemaker:{REGION}:123456789012:model-packag
 S3_OUTPUT_PATH = "s3://my-bucket/gsm8k-grpo"
 SESSION_NAME = "gsm8k-grpo-demo"
 STEPS, PROBLEMS_PER_STEP, K = 2, 2, 2
-
-
-def word_problems(count: int, seed: int = 0) -> list[tuple[str, int]]:
-    """GSM8K-style questions with integer answers, generated instead of downloaded."""
-    rng = random.Random(seed)
-    problems = []
-    for _ in range(count):
-        name, thing = rng.choice(["Ana", "Ben", "Chloe", "Dev"]), rng.choice(["apples", "coins"])
-        a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(1, 5)
-        question = (
-            f"{name} has {a} {thing}. {name} buys {b} more, then gives away {c}. "
-            f"How many {thing} does {name} have now? Give the final answer after ####."
-        )
-        problems.append((question, a + b - c))
-    return problems
-
-
-def reward(completion: str, answer: int) -> float:
-    numbers = re.findall(r"-?\d+", completion.split("####")[-1])
-    return 1.0 if numbers and int(numbers[-1]) == answer else 0.0
 
 
 def build_training_datum(

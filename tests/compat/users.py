@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Protocol
 
 from tinker import types
 
-from tests.conftest import Platform
 from treadle.client.admin import AdminClient
 
 
@@ -30,7 +30,14 @@ def user_env(base_url: str, key: str, hf_home: Path, **extra: str) -> dict[str, 
     return env
 
 
-def new_aws_user(platform: Platform, name: str) -> dict[str, str]:
+class Served(Protocol):
+    """A running platform: the compat tests' `Platform`, the fault tests' `Up`."""
+
+    base_url: str
+    admin_key: str
+
+
+def new_aws_user(platform: Served, name: str) -> dict[str, str]:
     """A new tenant `<name>-<random>` and its admin's key minted with an access key pair, as
     `treadle keys create --aws` mints it: tenant_id, key_id, api_key, access_key_id and
     secret_access_key."""
@@ -53,24 +60,32 @@ def new_aws_user(platform: Platform, name: str) -> dict[str, str]:
     }
 
 
+def aws_env(base_url: str, user: dict[str, str]) -> dict[str, str]:
+    """What points every client of the SageMaker SDK and boto3 at a Treadle, as
+    docs/sagemaker.md gives it: the endpoint, the access key pair, a region; no instance
+    metadata."""
+    return {
+        "AWS_ENDPOINT_URL": base_url,
+        "AWS_ACCESS_KEY_ID": user["access_key_id"],
+        "AWS_SECRET_ACCESS_KEY": user["secret_access_key"],
+        "AWS_REGION": "us-west-2",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
 def aws_user_env(
     base_url: str, user: dict[str, str], hf_home: Path, **extra: str
 ) -> dict[str, str]:
-    """A SageMaker SDK user's environment pointed at a Treadle, as docs/sagemaker.md gives it:
-    this process's, less every AWS_, HF_ and TREADLE_ setting, then AWS_ENDPOINT_URL (every
-    client: control plane, Hub, registry, runtime), the access key pair, AWS_REGION, and
-    HF_ENDPOINT for get_tokenizer(); no AWS config files, no instance metadata."""
+    """A SageMaker SDK user's process environment: this process's, less every AWS_, HF_ and
+    TREADLE_ setting, then `aws_env`, no AWS config files, and HF_ENDPOINT for
+    get_tokenizer()."""
     prefixes = ("AWS_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TINKER_", "TREADLE_",
                 "SAGEMAKER_")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
     env.update(
-        AWS_ENDPOINT_URL=base_url,
-        AWS_ACCESS_KEY_ID=user["access_key_id"],
-        AWS_SECRET_ACCESS_KEY=user["secret_access_key"],
-        AWS_REGION="us-west-2",
+        aws_env(base_url, user),
         AWS_CONFIG_FILE=os.devnull,
         AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-        AWS_EC2_METADATA_DISABLED="true",
         HF_ENDPOINT=f"{base_url}/hf",
         HF_HOME=str(hf_home),
         **extra,

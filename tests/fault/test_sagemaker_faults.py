@@ -15,9 +15,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
+from tests.compat.users import aws_env, new_aws_user
 from tests.fault.conftest import Up, wait_for
 from tests.fault.loop import assert_settled_once
-from treadle.client.admin import AdminClient
 from treadle.gpu_worker import faults
 
 pytestmark = pytest.mark.fault
@@ -31,20 +31,7 @@ GROUP = "arn:aws:sagemaker:us-west-2:123456789012:model-package-group/faults"
 @pytest.fixture(scope="module")
 def aws(up: Up) -> Iterator[None]:
     """The SDK's environment: this platform, a new tenant's access key pair."""
-    operator = AdminClient(up.base_url, up.admin_key)
-    tenant = operator.create_tenant("sagemaker-faults")
-    operator.close()
-    admin = AdminClient(up.base_url, tenant["api_key"])
-    pair = admin.create_key(aws=True)
-    admin.close()
-    env = {
-        "AWS_ENDPOINT_URL": up.base_url,
-        "AWS_ACCESS_KEY_ID": pair["access_key_id"],
-        "AWS_SECRET_ACCESS_KEY": pair["secret_access_key"],
-        "AWS_REGION": "us-west-2",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    with mock.patch.dict(os.environ, env):
+    with mock.patch.dict(os.environ, aws_env(up.base_url, new_aws_user(up, "sagemaker-faults"))):
         yield
 
 

@@ -470,3 +470,27 @@ def test_hostile_bodies_are_refused_on_every_route_and_append_nothing(
             assert 400 <= answer.status < 500, (path, body[:30], answer.body)
             assert answer.code is not None, (path, answer.body)
     assert secure.event_count() == before
+
+
+def test_a_session_whose_adapter_could_not_be_made_describes_itself_failed(
+    client: SignedClient, secure: SecureApp
+) -> None:
+    """The SDK waits for Running and gives up on Failed, with ErrorDetails as its message."""
+    from treadle.platform.operations import operations
+
+    create(client, "unmade")
+    sid = session_id(secure, "unmade")
+    with secure.engine.begin() as conn:
+        op = operations.training_op_at(conn, sid, 0)
+        lease = conn.execute(
+            sa.text("SELECT worker_id, lease_epoch FROM sessions WHERE id = :s"), {"s": sid}
+        ).one()
+        assert op is not None
+        operations.settle(
+            conn, op, worker_id=lease.worker_id, lease_epoch=lease.lease_epoch, result=None,
+            error={"category": "server", "code": "internal", "message": "out of memory"},
+            usage={"tokens": {}},
+        )  # fmt: skip
+    detail = describe(client, "unmade").body["TrainingSessionDetail"]
+    assert detail["TrainingSessionStatus"] == "Failed"
+    assert detail["ErrorDetails"] == "out of memory"

@@ -61,13 +61,14 @@ class _Memory:
     """What this API process knows without reading: the sessions its callers named (a name's
     session changes only when one is deleted and another created: then an admission finds the
     old one stopped and the name is read again), the operations it admitted, the samplers it
-    made, and when it last renewed each session's idle timer."""
+    made, the packages it sampled, and when it last renewed each session's idle timer."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sessions: dict[tuple[str, str], TrainingSession] = {}
         self.submitted: OrderedDict[str, _Submitted] = OrderedDict()
         self.samplers: set[str] = set()
+        self.packages: dict[tuple[str, str], packages.Package] = {}
         self.touched: dict[str, float] = {}
 
     def remember(self, request_id: str, submitted: _Submitted) -> None:
@@ -238,9 +239,18 @@ def execute_sampling_operation(name: str) -> Any:
 
 
 def package_weights(session: sessions_core.SessionRow, arn: str) -> tuple[str, str]:
-    """The snapshot id and storage prefix a sampling operation samples package `arn` with."""
-    with db.reading(services().db) as conn:
-        package = packages.get_package(conn, principal(), arns.parse_package(arn))
+    """The snapshot id and storage prefix a sampling operation samples package `arn` with (a
+    package never changes, so this process reads each once; one deleted since fails at the
+    worker, its files gone)."""
+    key = (principal().tenant_id, arn)
+    package = _memory.packages.get(key)
+    if package is None:
+        with db.reading(services().db) as conn:
+            package = packages.get_package(conn, principal(), arns.parse_package(arn))
+        with _memory.lock:
+            if len(_memory.packages) > MAX_REMEMBERED:
+                _memory.packages.clear()
+            _memory.packages[key] = package
     checkpoint = package.checkpoint
     if package.base_model != session.base_model:
         raise ValidationError(

@@ -245,6 +245,9 @@ def detail(conn: sa.Connection, found: TrainingSession) -> Detail:
     received and the tokens it was billed for."""
     session = found.session
     status = status_of(session, blocked=session.is_active and is_blocked(conn, session))
+    failed_to_start = _failed_to_start(conn, session)
+    if failed_to_start is not None:
+        status = Status.FAILED
     seqs = [
         conn.execute(
             sa.select(sa.func.max(operations.c.seq_id)).where(
@@ -268,12 +271,29 @@ def detail(conn: sa.Connection, found: TrainingSession) -> Detail:
     ended = _ending(conn, session) if not session.is_active else None
     return Detail(
         status=status,
-        error=_error(ended) if status == Status.FAILED else None,
+        error=failed_to_start or (_error(ended) if status == Status.FAILED else None),
         last_received_seq=last or None,
         tokens={"prefill": int(billed[0]), "sample": int(billed[1]), "train": int(billed[2])},
         updated_at=session.updated_at,
         ended_at=None if ended is None else ended.created_at,
     )
+
+
+def _failed_to_start(conn: sa.Connection, session: SessionRow) -> str | None:
+    """Why a live session's adapter could not be made (its `create_model` failed), if it could
+    not: it is Failed, though nothing stopped it yet."""
+    if not session.is_active or session.last_applied_seq > 0:
+        return None
+    first = conn.execute(
+        sa.select(operations.c.status, operations.c.error).where(
+            operations.c.session_id == session.id,
+            operations.c.sampler_id.is_(None),
+            operations.c.seq_id == 0,
+        )
+    ).first()
+    if first is None or first.status != optypes.OpStatus.FAILED:
+        return None
+    return str((first.error or {}).get("message", "the session's adapter was not made"))[:1024]
 
 
 _ENDINGS = ("SessionStopped", "SessionDiverged", "SessionFailed", "SessionExpired")

@@ -311,16 +311,18 @@ def create_sampler(
     conn.execute(stmt.on_conflict_do_nothing(index_elements=["id"]))
 
 
+_NEXT_SAMPLER_SEQ = (
+    sa.update(samplers)
+    .where(samplers.c.id == sa.bindparam("sampler"))
+    .values(next_seq_id=samplers.c.next_seq_id + 1)
+    .returning(samplers.c.next_seq_id)
+)
+
+
 def next_sampler_seq(conn: sa.Connection, sampler: str) -> int:
     """A seq_id of `sampler` no other request has (for samplers whose seq_ids the server
     allocates: the OpenAI routes', SageMaker's runtime's): one atomic increment of its row."""
-    value = conn.execute(
-        sa.update(samplers)
-        .where(samplers.c.id == sampler)
-        .values(next_seq_id=samplers.c.next_seq_id + 1)
-        .returning(samplers.c.next_seq_id)
-    ).scalar_one()
-    return int(value) - 1
+    return int(conn.execute(_NEXT_SAMPLER_SEQ, {"sampler": sampler}).scalar_one()) - 1
 
 
 @dataclass(frozen=True)
