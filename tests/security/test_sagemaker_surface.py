@@ -494,3 +494,26 @@ def test_a_session_whose_adapter_could_not_be_made_describes_itself_failed(
     detail = describe(client, "unmade").body["TrainingSessionDetail"]
     assert detail["TrainingSessionStatus"] == "Failed"
     assert detail["ErrorDetails"] == "out of memory"
+
+
+def test_a_body_over_the_limit_is_a_413_in_the_protocols_shape(
+    client: SignedClient, secure: SecureApp
+) -> None:
+    from dataclasses import replace
+
+    from treadle.api.app import create_app
+
+    small = create_app(replace(secure.app.extensions["treadle"].config,
+                               sagemaker_max_body_bytes=4096))  # fmt: skip
+    try:
+        signed = SignedClient(small, client.access_key_id, client.secret)
+        big = fb(1, "big", datum(2000))
+        answer = signed.runtime("POST", "/v1/training-sessions/x/operations", big)
+        assert (answer.status, answer.code) == (413, "ValidationException")
+        assert "TREADLE_SAGEMAKER_MAX_BODY_BYTES" in answer.body["message"]
+        control = signed.control("ListTrainingSessions", {"NameContains": "x" * 5000})
+        assert (control.code, control.content_type.split(";")[0]) == (
+            "ValidationException", JSON_11,
+        )  # fmt: skip
+    finally:
+        small.extensions["treadle"].close()
