@@ -34,8 +34,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
-from treadle.gpu_worker.lora import LoraHost, LoraSpec  # noqa: E402
-from treadle.gpu_worker.losses import (  # noqa: E402
+from treadle.engine.lora.adapters import LoraHost, LoraSpec  # noqa: E402
+from treadle.engine.losses.functions import (  # noqa: E402
     MICROBATCH_LOGITS,
     EngineDatum,
     batch_loss,

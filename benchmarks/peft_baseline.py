@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from treadle.gpu_worker.lora_targets import ATTN_SUFFIXES, MLP_SUFFIXES, UNEMBED_SUFFIXES
-from treadle.gpu_worker.models import load_base_model
+from treadle.engine.lora.targets import ATTN_SUFFIXES, MLP_SUFFIXES, UNEMBED_SUFFIXES
+from treadle.engine.models.loading import load_base_model
 from treadle.platform.config import DEFAULT_CACHE_DIR
 from treadle.recipes.platform_process import LocalPlatform
 

@@ -8,7 +8,7 @@ and, through Treadle's SDK, the same prompts as `--requests` concurrent requests
 early stop) on one session's sampler, and on `--requests` sessions (each its own adapter); once
 one at a time for reference. On the CPU, a second in-process baseline runs the same `generate`
 with the model's linears on weights packed for oneDNN, as the worker samples
-(`gpu_worker/cpu_linear`): the platform's ratio to it shows what the platform itself costs, apart
+(`engine/models/cpu_linear`): the platform's ratio to it shows what the platform itself costs, apart
 from the kernels. `--trials` rounds run each kind (baselines, one session, many) in a
 rotating order, so the machine's drifting load falls on all alike; each concurrent run's tokens
 are checked equal to the one-at-a-time run's. Prints median tokens/s and the median of each
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import treadle  # noqa: E402
-from treadle.gpu_worker import cpu_linear  # noqa: E402
-from treadle.gpu_worker.models import load_base_model  # noqa: E402
+from treadle.engine.models import cpu_linear  # noqa: E402
+from treadle.engine.models.loading import load_base_model  # noqa: E402
 from treadle.platform.config import DEFAULT_CACHE_DIR  # noqa: E402
 from treadle.platform.embedded import free_port  # noqa: E402
 from treadle.recipes.platform_process import LocalPlatform  # noqa: E402
@@ -80,7 +80,7 @@ class Baseline:
 
 class PackedBaseline(Baseline):
     """The same `generate`, its model's linears on weights packed for oneDNN as the worker's
-    are for sampling (`gpu_worker/cpu_linear`): the platform against the same kernels."""
+    are for sampling (`engine/models/cpu_linear`): the platform against the same kernels."""
 
     def __init__(self, model_name: str, prompts_B: list[list[int]], new_tokens: int) -> None:
         super().__init__(model_name, prompts_B, new_tokens)

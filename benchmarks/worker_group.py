@@ -34,9 +34,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from treadle.gpu_worker import group as worker_group  # noqa: E402
-from treadle.gpu_worker.engine import AdamSpec, Engine, EngineDatum, LoraSpec  # noqa: E402
-from treadle.gpu_worker.group_engine import GroupEngine, follow  # noqa: E402
+from treadle.engine.distributed import group as worker_group  # noqa: E402
+from treadle.engine.distributed.executor import GroupEngine, follow  # noqa: E402
+from treadle.engine.engine import AdamSpec, Engine, EngineDatum, LoraSpec  # noqa: E402
 from treadle.platform.embedded import free_port  # noqa: E402
 from treadle.platform.models.catalog import SMOLLM2_NAME  # noqa: E402
 

@@ -16,7 +16,7 @@ The cookbook has registries for renderers and tokenizers but none for model attr
 `register()` wraps `tinker_cookbook.model_info.get_model_attributes` (every cookbook lookup goes
 through it); tests/compat/test_cookbook.py fails loudly if the pinned cookbook changes that.
 Client side: imports treadle.client and tinker_cookbook (a dev extra), never server code
-(treadle.platform, treadle.api, treadle.gpu_worker, flask, sqlalchemy, celery).
+(treadle.platform, treadle.api, treadle.engine, treadle.worker, flask, sqlalchemy, celery).
 """
 
 from __future__ import annotations

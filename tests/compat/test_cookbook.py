@@ -204,8 +204,8 @@ def test_the_registration_imports_no_server_code() -> None:
         node.module for node in ast.walk(tree)
         if isinstance(node, ast.ImportFrom) and node.module
     }  # fmt: skip
-    server = ("treadle.platform", "treadle.api", "treadle.gpu_worker", "flask", "sqlalchemy",
-              "celery", "torch")  # fmt: skip
+    server = ("treadle.platform", "treadle.api", "treadle.engine", "treadle.worker", "flask",
+              "sqlalchemy", "celery", "torch")  # fmt: skip
     assert sorted(n for n in imported if n.split(".")[0] in server or n.startswith(server)) == []
 
 

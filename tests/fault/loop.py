@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 import treadle
 from tests.fault.conftest import Up, wait_for
-from treadle.gpu_worker import faults
+from treadle.worker import faults
 
 STEPS = 9
 BASE_MODEL = "treadle/tiny-debug"

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from tests.compat.users import aws_env, new_aws_user
 from tests.fault.conftest import Up, wait_for
 from tests.fault.loop import assert_settled_once
-from treadle.gpu_worker import faults
+from treadle.worker import faults
 
 pytestmark = pytest.mark.fault
 

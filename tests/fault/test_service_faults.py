@@ -19,7 +19,7 @@ from tests.fault.loop import (
     assert_settled_once,
     uninterrupted,
 )
-from treadle.gpu_worker import faults
+from treadle.worker import faults
 
 pytestmark = pytest.mark.fault
 

@@ -30,8 +30,7 @@ from tests.conftest import Platform
 from tests.databases import private_database
 from tests.integration.wire_client import datum
 from treadle.client.admin import AdminClient
-from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.host import SessionHost
+from treadle.engine.engine import Engine
 from treadle.platform import db
 from treadle.platform.audit import lineage
 from treadle.platform.checkpoints import storage
@@ -42,6 +41,7 @@ from treadle.platform.sessions import leases, routing
 from treadle.platform.sessions import sessions as sessions_core
 from treadle.platform.sessions.routing import make_celery
 from treadle.platform.tenancy.tenants import Principal
+from treadle.worker.host import SessionHost
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ from tests.metering.conftest import (
     input_tokens,
     wait_consumed,
 )
-from treadle.gpu_worker import faults
+from treadle.worker import faults
 
 pytestmark = pytest.mark.integration
 

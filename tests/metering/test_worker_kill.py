@@ -22,7 +22,7 @@ from tests.metering.conftest import (
     hand_cost,
     input_tokens,
 )
-from treadle.gpu_worker import faults
+from treadle.worker import faults
 
 pytestmark = pytest.mark.fault
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from engine_support import shared_cache_dir
 
-from treadle.gpu_worker.engine import Engine
+from treadle.engine.engine import Engine
 
 
 @pytest.fixture(scope="session")

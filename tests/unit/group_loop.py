@@ -20,7 +20,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from treadle.gpu_worker.engine import (  # noqa: E402
+from treadle.engine.engine import (  # noqa: E402
     AdamSpec,
     Engine,
     EngineDatum,
@@ -137,8 +137,8 @@ def broken_sampling(engine: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    from treadle.gpu_worker import group as worker_group
-    from treadle.gpu_worker.group_engine import GroupEngine, follow
+    from treadle.engine.distributed import group as worker_group
+    from treadle.engine.distributed.executor import GroupEngine, follow
 
     cache_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     mode, folder = (sys.argv[3], Path(sys.argv[4])) if len(sys.argv) > 4 else ("", None)

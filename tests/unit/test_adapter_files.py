@@ -21,8 +21,9 @@ from engine_support import (
     train,
 )
 
-from treadle.gpu_worker import adapter_files, models
-from treadle.gpu_worker.engine import Engine, EngineDatum, LoraSpec, SamplingSpec
+from treadle.engine.engine import Engine, EngineDatum, LoraSpec, SamplingSpec
+from treadle.engine.lora import files as adapter_files
+from treadle.engine.models import loading as models
 from treadle.platform.errors import ConflictError, ValidationError
 from treadle.platform.models.catalog import SMOLLM2_NAME
 

@@ -23,14 +23,23 @@ FORBIDDEN = {
         "torch",
         "treadle.platform",
         "treadle.api",
-        "treadle.gpu_worker",
+        "treadle.engine",
+        "treadle.worker",
     ),
-    "platform": ("treadle.api", "treadle.gpu_worker", "flask", "torch"),
-    "api": ("torch", "treadle.gpu_worker", "transformers", "peft"),
-    "gpu_worker": ("treadle.api", "flask"),
+    "platform": ("treadle.api", "treadle.engine", "treadle.worker", "flask", "torch"),
+    "api": ("torch", "treadle.engine", "treadle.worker", "transformers", "peft"),
+    "engine": ("treadle.api", "treadle.worker", "flask"),
+    "worker": ("treadle.api", "flask"),
     # Recipes are user code: the SDKs and their own modules. Only --embedded reaches for the
     # platform (treadle.platform.embedded.free_port, to start `treadle up`).
-    "recipes": ("treadle.api", "treadle.gpu_worker", "flask", "sqlalchemy", "celery"),
+    "recipes": (
+        "treadle.api",
+        "treadle.engine",
+        "treadle.worker",
+        "flask",
+        "sqlalchemy",
+        "celery",
+    ),
 }
 
 

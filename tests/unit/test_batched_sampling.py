@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from engine_support import PROMPT, TINY, new_adapter, randomise_b
 
-from treadle.gpu_worker.engine import (
+from treadle.engine.engine import (
     Engine,
     LoraSpec,
     SampleRequest,
     SampleResult,
     SamplingSpec,
 )
-from treadle.gpu_worker.losses import MICROBATCH_LOGITS
-from treadle.gpu_worker.prompt_scores import PromptScoring
+from treadle.engine.losses.functions import MICROBATCH_LOGITS
+from treadle.engine.sampling.prompt_scores import PromptScoring
 from treadle.platform.errors import NotFoundError, OperationCancelledError
 
 LONG_PROMPT = [1, 9690, 198, 2683, 359, 253, 42, 77, 1001, 5, 600, 12]

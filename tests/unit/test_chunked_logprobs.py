@@ -19,17 +19,17 @@ from engine_support import DATA, new_adapter, randomise_b
 from transformers import LlamaForCausalLM, PreTrainedModel
 
 from tests.architectures import ARCHITECTURES, build
-from treadle.gpu_worker import losses as losses_module
-from treadle.gpu_worker.chunked_logprobs import (
+from treadle.engine.engine import Engine
+from treadle.engine.lora.adapters import LoraHost, LoraSpec, LoraWeights
+from treadle.engine.losses import functions as losses_module
+from treadle.engine.losses.chunked_logprobs import (
     CHECKPOINT_ABOVE_FRACTION,
     checkpointed_layers,
     output_head,
     target_logprobs,
     wants_checkpointing,
 )
-from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.lora import LoraHost, LoraSpec, LoraWeights
-from treadle.gpu_worker.losses import (
+from treadle.engine.losses.functions import (
     MICROBATCH_TOKENS,
     EngineDatum,
     batch_loss,

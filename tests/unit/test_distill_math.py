@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from treadle.gpu_worker.losses import get_loss
+from treadle.engine.losses.functions import get_loss
 from treadle.recipes.distill import (
     SYSTEM,
     Rollout,

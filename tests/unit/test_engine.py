@@ -22,15 +22,15 @@ from engine_support import (
     train,
 )
 
-from treadle.gpu_worker import losses as losses_module
-from treadle.gpu_worker import models
-from treadle.gpu_worker.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
-from treadle.gpu_worker.losses import (
+from treadle.engine.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
+from treadle.engine.losses import functions as losses_module
+from treadle.engine.losses.functions import (
     MICROBATCH_LOGITS,
     MICROBATCH_TOKENS,
     microbatches,
     padded_tokens,
 )
+from treadle.engine.models import loading as models
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
 from treadle.platform.models.catalog import SMOLLM2_NAME
 

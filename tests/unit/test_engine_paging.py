@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from engine_support import ADAM, DATA, PROMPT, TINY, logprobs, new_adapter, randomise_b
 
-from treadle.gpu_worker.engine import Engine, LoraSpec, SamplingSpec
-from treadle.gpu_worker.paging import SPILL_SUFFIX
+from treadle.engine.engine import Engine, LoraSpec, SamplingSpec
+from treadle.engine.memory.paging import SPILL_SUFFIX
 from treadle.platform.config import DEFAULT_MAX_LOADED_ADAPTERS, PlatformConfig
 
 # Different ranks and targets, so a restored tensor in the wrong place could not fit.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from treadle.gpu_worker import fingerprint
+from treadle.engine.memory import fingerprint
 
 
 def test_equal_tensors_have_equal_fingerprints() -> None:

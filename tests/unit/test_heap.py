@@ -10,12 +10,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from treadle.gpu_worker import heap
+from treadle.engine.memory import heap
 
 GROWING_BLOCKS = """
 import resource, sys
 import torch
-from treadle.gpu_worker import heap
+from treadle.engine.memory import heap
 if sys.argv[1] == "tuned":
     assert heap.keep_freed_pages({})
 block = None
@@ -29,7 +29,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 LARGE_BLOCKS = """
 import resource, sys
 import torch
-from treadle.gpu_worker import heap
+from treadle.engine.memory import heap
 if sys.argv[1] == "tuned":
     assert heap.keep_freed_pages({})
 for step in range(40):  # 64 MiB, over glibc's largest threshold for mapping a block alone
@@ -43,7 +43,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 RELEASED = """
 import torch
-from treadle.gpu_worker import heap
+from treadle.engine.memory import heap
 def rss():
     status = open("/proc/self/status").read()
     return int(status.split("VmRSS:")[1].split()[0]) * 1024

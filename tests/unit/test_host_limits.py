@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from treadle.gpu_worker.host import WorkerClosing, _Running
 from treadle.platform.errors import OperationCancelledError, TimeLimitExceededError
+from treadle.worker.host import WorkerClosing, _Running
 
 
 def _running(limit: float) -> tuple[_Running, threading.Event]:

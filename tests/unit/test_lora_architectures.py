@@ -16,16 +16,16 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tests.architectures import ARCHITECTURES, MOE, build
-from treadle.gpu_worker import adapter_files
-from treadle.gpu_worker.lora import LoraHost, LoraSpec, LoraWeights
-from treadle.gpu_worker.lora_targets import (
+from treadle.engine.lora import files as adapter_files
+from treadle.engine.lora.adapters import LoraHost, LoraSpec, LoraWeights
+from treadle.engine.lora.targets import (
     ATTN_SUFFIXES,
     MLP_SUFFIXES,
     UNEMBED_SUFFIXES,
     resolve,
     suffix_category,
 )
-from treadle.gpu_worker.losses import EngineDatum, batch_loss, get_loss, validate_data
+from treadle.engine.losses.functions import EngineDatum, batch_loss, get_loss, validate_data
 from treadle.platform.errors import ValidationError
 from treadle.platform.models.losses import resolve_config
 

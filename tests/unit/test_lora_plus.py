@@ -20,9 +20,9 @@ import torch
 from engine_support import DATA, TINY, new_adapter, randomise_b, train
 from torch import nn
 
-from treadle.gpu_worker import adapter_files
-from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.lora import AdamSpec, LoraWeights, TrainableLora
+from treadle.engine.engine import Engine
+from treadle.engine.lora import files as adapter_files
+from treadle.engine.lora.adapters import AdamSpec, LoraWeights, TrainableLora
 from treadle.platform.errors import ValidationError
 
 # weight decay and clipping on, so the ratio's reach into both is checked too

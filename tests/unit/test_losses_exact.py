@@ -24,8 +24,8 @@ from engine_support import (
     reference_logprobs,
 )
 
-from treadle.gpu_worker.engine import Engine, EngineDatum, LoraSpec
-from treadle.gpu_worker.losses import LOSSES
+from treadle.engine.engine import Engine, EngineDatum, LoraSpec
+from treadle.engine.losses.functions import LOSSES
 from treadle.platform.errors import ValidationError
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}

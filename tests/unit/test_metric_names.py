@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 import treadle
-from treadle.gpu_worker import gauges as worker_gauges
+from treadle.worker import gauges as worker_gauges
 
 # Built at import from the environment (it needs a database): it defines no metric.
 NOT_IMPORTED = {"treadle.api.wsgi"}
@@ -56,7 +56,7 @@ def _declared() -> Iterator[Declared]:
     for family in worker_gauges.gauge_families():
         labels = getattr(family, "_labelnames", None)
         assert isinstance(labels, tuple), "prometheus_client changed GaugeMetricFamily"
-        yield Declared(family.name, family.type, labels, "treadle.gpu_worker.gauges")
+        yield Declared(family.name, family.type, labels, "treadle.worker.gauges")
 
 
 def _problems(metric: Declared) -> list[str]:

@@ -16,11 +16,11 @@ import redis
 from engine_support import PROMPT, TINY
 
 from tests.conftest import Services
-from treadle.gpu_worker.engine import Engine, SampleRequest, SampleResult, SamplingSpec
-from treadle.gpu_worker.streaming import Streams
+from treadle.engine.engine import Engine, SampleRequest, SampleResult, SamplingSpec
 from treadle.platform.errors import OperationCancelledError
 from treadle.platform.eventlog import notify, progress
 from treadle.platform.eventlog.progress import ProgressTimeoutError
+from treadle.worker.streaming import Streams
 
 SHORT_PROMPT = [1, 300, 17]
 

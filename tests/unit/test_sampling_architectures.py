@@ -15,10 +15,10 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.architectures import ARCHITECTURES, SLIDING, build
-from treadle.gpu_worker.batching import DecodeBatch, SampleJob, generate_batch
-from treadle.gpu_worker.lora import LoraHost, LoraSpec, LoraWeights
-from treadle.gpu_worker.prompt_scores import PromptScoring
-from treadle.gpu_worker.sampler import SampleResult, SamplingSpec
+from treadle.engine.lora.adapters import LoraHost, LoraSpec, LoraWeights
+from treadle.engine.sampling.decode import DecodeBatch, SampleJob, generate_batch
+from treadle.engine.sampling.prompt_scores import PromptScoring
+from treadle.engine.sampling.rules import SampleResult, SamplingSpec
 from treadle.platform.errors import ValidationError
 
 WINDOW = 16  # the tiny sliding configs' sliding_window
@@ -175,8 +175,8 @@ def test_a_sample_alone_equals_it_among_other_architectures_requests_on_one_engi
     architectures' requests and another request on its own base (one adapted by a snapshot,
     one on the base alone, of different prompt lengths)."""
     from tests import tiny_models
-    from treadle.gpu_worker.batching import SampleRequest
-    from treadle.gpu_worker.engine import Engine
+    from treadle.engine.engine import Engine
+    from treadle.engine.sampling.decode import SampleRequest
     from treadle.platform.models import model_files
 
     root = tmp_path_factory.mktemp("registered")

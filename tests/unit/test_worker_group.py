@@ -20,9 +20,9 @@ import torch
 
 from tests.unit import group_loop
 from tests.unit.engine_support import shared_cache_dir
-from treadle.gpu_worker.capacity import HEADROOM, Capacity
-from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.group import Group
+from treadle.engine.distributed.group import Group
+from treadle.engine.engine import Engine
+from treadle.engine.memory.capacity import HEADROOM, Capacity
 from treadle.platform.config import PlatformConfig
 from treadle.platform.embedded import free_port
 from treadle.platform.models.catalog import TINY_DEBUG_NAME, get_base_model
@@ -141,7 +141,7 @@ def test_a_rank_whose_weights_drift_fails_the_group_instead_of_training_on(
     """Rank 1 steps with twice the learning rate: the ranks' weight hashes differ after the
     first optim_step, and every rank ends with the group-failed status (its launcher then ends
     the group and the worker is started again) before any other operation runs."""
-    from treadle.gpu_worker.group import GROUP_FAILED_EXIT
+    from treadle.engine.distributed.group import GROUP_FAILED_EXIT
 
     out = tmp_path / "out.json"
     codes, logs = run_ranks(cache_dir, out, env={"GROUP_LOOP_DRIFT": "1"})

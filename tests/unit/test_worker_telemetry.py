@@ -1,4 +1,4 @@
-"""The worker's per-operation metrics and log line (treadle/gpu_worker/telemetry.py): an
+"""The worker's per-operation metrics and log line (treadle/worker/telemetry.py): an
 operation's queue wait runs from its admission to the start of its execution."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from prometheus_client import REGISTRY
 
-from treadle.gpu_worker import telemetry
 from treadle.platform.eventlog.optypes import OpStatus, OpType
 from treadle.platform.operations.operations import OperationRow
+from treadle.worker import telemetry
 
 
 def operation(requested_at: datetime) -> OperationRow:

@@ -15,5 +15,5 @@ JSON, then pydantic through `parse`), the request accessors (`context`), error t
 Views parse, call the platform and serialise; they hold no business rules. A surface imports
 the shared modules and `treadle.platform`, never another surface; of the shared modules only
 `app` (which registers the blueprints) and `openapi` (which documents their bodies) import a
-surface. Never imports torch or `treadle.gpu_worker`.
+surface. Never imports torch, `treadle.engine` or `treadle.worker`.
 """

@@ -3,7 +3,7 @@ authentication hook and the error handlers (`errors`).
 
 Views live in the `routes_*` blueprints; they parse, call a platform command and serialise, and
 reach the services through `context`, never through this module.
-Imports platform only; never torch or gpu_worker.
+Imports platform only; never torch, engine or worker.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ refused request is counted with its real 4xx/5xx status. An answer that took lon
 long-poll should (`slow_after`) is also logged, with its route, status and time. Under gunicorn (PROMETHEUS_MULTIPROC_DIR
 set) every process writes its own files and /metrics sums them all (`MultiProcessCollector`;
 `gunicorn_conf` empties the folder at start and drops a dead process's gauges).
-Imports platform only; never torch or gpu_worker.
+Imports platform only; never torch, engine or worker.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ output from it, and builds `app` with `create_app(config)`. gunicorn imports thi
 worker process after the fork (never with --preload: database pools, Redis clients and the
 notice listener's thread do not survive a fork). Settings and hooks are in `gunicorn_conf`.
 `treadle up` serves the same app through waitress and does not import this module.
-Imports platform and api only; never torch or gpu_worker.
+Imports platform and api only; never torch, engine or worker.
 """
 
 from __future__ import annotations

@@ -102,11 +102,11 @@ def run(args: argparse.Namespace) -> int:
         if args.devices < 1:
             raise SystemExit("treadle worker: --devices must be 1 or more")
         if args.devices == 1:
-            from treadle.gpu_worker.runtime import run_worker
+            from treadle.worker.runtime import run_worker
 
             run_worker(config, worker_id)
             return 0
-        from treadle.gpu_worker import ranks
+        from treadle.worker import launch as ranks
 
         if ranks.is_rank():
             ranks.run_rank(config, worker_id)

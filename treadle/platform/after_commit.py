@@ -7,7 +7,7 @@ every SQLAlchemy `Engine` (installed once, at import) run or drop them. A callba
 before the server's COMMIT is sent: a COMMIT that then fails still counted (rare; the counters
 are operational signals, the ledger is the truth). A callback must not raise; one that does is
 logged and the others still run.
-Imports nothing from api, gpu_worker, flask or torch.
+Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

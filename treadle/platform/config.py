@@ -1,7 +1,7 @@
 """Process configuration: one frozen object per process, built once from the environment.
 
 `PlatformConfig.from_env()` is called at entry points only (CLI, Celery worker boot, tests);
-everything else receives the config explicitly. Imports nothing from api, gpu_worker or torch.
+everything else receives the config explicitly. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class PlatformConfig:
     # one; the tinker SDK is told (client/config) to keep its chunks within half of it.
     max_body_bytes: int = 8 * 1024 * 1024
     # Tests only: lets a test pause a worker between an operation's effect and its settlement
-    # (see gpu_worker/faults.py). Never set in production.
+    # (see worker/faults.py). Never set in production.
     debug_faults: bool = False
     device: str | None = None
     # At most this many adapters (weights, pending grads, Adam state) in a worker's memory; the
@@ -92,10 +92,10 @@ class PlatformConfig:
     # At most this many sampling snapshots in a worker's memory, the same way (0: no limit).
     max_loaded_snapshots: int = DEFAULT_MAX_LOADED_SNAPSHOTS
     # A CPU worker samples with its base model's linear weights packed for oneDNN: much faster
-    # on some CPUs, for a second copy of those weights in memory (gpu_worker/cpu_linear.py).
+    # on some CPUs, for a second copy of those weights in memory (engine/models/cpu_linear.py).
     pack_cpu_weights: bool = True
     # Bytes a worker may give the base models' weights (0: its device's memory, the GPU's or
-    # the host's). A registered model needing more is not hosted there (gpu_worker/capacity.py).
+    # the host's). A registered model needing more is not hosted there (engine/memory/capacity.py).
     worker_model_memory_bytes: int = 0
     # Recompute each decoder layer in the backward instead of keeping its activations: None
     # where a training pass is big enough for it to save memory, True always, False never.
@@ -304,7 +304,7 @@ def _port(env: Mapping[str, str], name: str) -> int:
 
 
 MIN_BODY_BYTES = 64 * 1024
-# How a worker group holds its base models (gpu_worker/group.py).
+# How a worker group holds its base models (engine/distributed/group.py).
 GROUP_LAYOUTS = ("replicated", "sharded")
 
 

@@ -2,7 +2,7 @@
 
 `connect(url)` builds the engine (psycopg 3); `reading(engine)` lends a connection for reads
 alone, outside any transaction; `migrate(url)` upgrades the schema to head with Alembic from the
-repository's `migrations/` folder. Imports nothing from api, gpu_worker or torch.
+repository's `migrations/` folder. Imports nothing from api, engine, worker or torch.
 
 A connection taken from the pool is checked for life without a round trip while it is busy
 (`_check_alive`): SQLAlchemy's `pool_pre_ping` sends a `SELECT 1` on every checkout, one more

@@ -5,7 +5,7 @@ Used by `treadle up` and the tests when DATABASE_URL / REDIS_URL are not set; th
 platform sees ordinary URLs, so the code path is the same as production. Each server can be
 restarted after it died on the same data dir and the same port / socket, so every URL handed
 out stays valid (the supervisor in `treadle.platform.sessions.supervisor` does that).
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

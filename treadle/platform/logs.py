@@ -5,7 +5,7 @@ gunicorn API): "json" writes one JSON object per line (ts, level, logger, messag
 `extra=` attribute of the record, and exc_info as text), which a log collector reads without a
 parser of its own; "human" writes the classic "time LEVEL logger: message" line with the
 extras appended as key=value. Rendering never raises: a value JSON cannot hold is written as
-its str(). Imports nothing from api, gpu_worker, flask or torch.
+its str(). Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ each counts) is in docs/operations.md, "Metrics".
 What a transaction records is counted once it commits (`after_commit`), so a retried
 settlement or a refused request that rolled back is not counted. No session, request or key
 ids in labels. The HTTP metrics and /metrics route are the API's (`treadle.api.telemetry`), the
-operation metrics the worker's (`treadle.gpu_worker.telemetry`, its gauges `gauges`).
-Imports nothing from api, gpu_worker, flask or torch.
+operation metrics the worker's (`treadle.worker.telemetry`, its gauges `gauges`).
+Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

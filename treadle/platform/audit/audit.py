@@ -4,7 +4,7 @@ listing is in `session_listing`).
 Read-only SQL over `events`, `sessions` and `usage`. Every read is scoped by tenant: another
 tenant's session answers 404 exactly like a missing one, and only the operator reads across
 tenants. Large payloads and results are summarised (marked `"summary": true`) unless asked for
-in full. Imports nothing from api, gpu_worker, flask or torch.
+in full. Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

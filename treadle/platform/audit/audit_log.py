@@ -5,7 +5,7 @@ lifecycle (`training_run_create`, `_stop`, `_expire`, `_fail`, `_diverge`, `_rec
 `sampling_session_*` for a base-model sampler, `replay_sandbox_*` for a replay), checkpoint saves
 and deletions (`checkpoint_create`, `checkpoint_delete`) and loads (`checkpoint_read`).
 Operations are not audit entries (a session's trace export shows them). At most MAX_ENTRIES a
-day, oldest first. Imports nothing from api, gpu_worker, Flask or torch.
+day, oldest first. Imports nothing from api, engine, worker, Flask or torch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ training runs and samplers, and the search with its filters and (created_at, id)
 
 Every query is scoped by tenant; `Scope.OWNED` narrows it to the sessions the caller's key
 opened (`client_sessions.created_by`). Another tenant's session answers exactly like a missing
-one. Writes nothing. Imports nothing from api, gpu_worker, Flask or torch.
+one. Writes nothing. Imports nothing from api, engine, worker, Flask or torch.
 """
 
 from __future__ import annotations

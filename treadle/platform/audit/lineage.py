@@ -8,7 +8,7 @@
   verified replay; `SessionForked(source, seq, state hashes)` heads its log. The source's log
   is never written to.
 The worker does the rebuilding (a `Rebuild` payload as the new session's seq 0).
-Imports nothing from api, gpu_worker, flask or torch.
+Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The session listing of a tenant (or, for the operator, of any or every tenant): each
 session's owner, status, worker and activity, with its operations, tokens and cost summed from
-the usage ledger, one SQL query per page. Imports nothing from api, gpu_worker, flask or torch.
+the usage ledger, one SQL query per page. Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `issue` checks the caller's tenant holds the client session and mints a random token, good for
 TOKEN_TTL; only its SHA-256 is stored (`trace_exports`), so the table cannot be used to download
 anything. `redeem` finds a live token's client session and builds its trace (`traces.build`) as
-of that moment, scoped to the tenant that issued it. Imports nothing from api, gpu_worker, Flask
+of that moment, scoped to the tenant that issued it. Imports nothing from api, engine, worker, Flask
 or torch.
 """
 

@@ -8,7 +8,7 @@ its admission to its completion (queueing included: the log records no start tim
 in microseconds since the client session's creation. A process (pid) per training run or
 sampler, a thread (tid) per operation type; overlapping operations of one type (pipelined or
 concurrent requests) get lanes of their own, since a thread's events must nest.
-Imports nothing from api, gpu_worker, Flask or torch.
+Imports nothing from api, engine, worker, Flask or torch.
 """
 
 from __future__ import annotations

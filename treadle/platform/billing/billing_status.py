@@ -2,7 +2,7 @@
 scheduled), and a tenant's quota beside what it has settled and holds this UTC month.
 
 Role checks go through `usage.tenant_scope` (a tenant reads its own; the operator any).
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

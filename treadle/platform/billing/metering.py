@@ -9,8 +9,8 @@ the settlement's transaction) writes the operation's one usage row at the prices
 and releases its reservation; a failed or stopped operation only releases it (`release`).
 Both run in every operation's admission and settlement, so each takes few statements: a month
 row is created, locked and updated by one upsert (`_add_month`). Month rows are always locked in
-(tenant, month) order. Money is integer micro-dollars. Imports nothing from api, gpu_worker or
-torch.
+(tenant, month) order. Money is integer micro-dollars. Imports nothing from api, engine,
+worker or torch.
 """
 
 from __future__ import annotations

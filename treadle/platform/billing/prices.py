@@ -6,7 +6,7 @@ integer micro-dollars everywhere (a price is micro-dollars per million tokens); 
 cost per class is `tokens x price / 1e6`, rounded half up to a whole micro-dollar. A model and
 class with no price in effect costs 0 and is marked unpriced on the ledger and the bill. Only the
 operator sets prices (API, CLI); defaults come from a TOML file (`load_defaults`).
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

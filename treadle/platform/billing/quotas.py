@@ -5,7 +5,7 @@ request. A missing row, or a missing limit in it, means no limit.
 Budgets are enforced by reservation (`metering`); the session limit here, exactly under races
 (the tenant's row is locked while live sessions are counted); the request rate by a token bucket
 in Redis (`RateLimiter`), which lets requests through while Redis is down and says so in the
-log. Imports nothing from api, gpu_worker or torch.
+log. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

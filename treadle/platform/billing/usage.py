@@ -8,7 +8,7 @@ float arithmetic. Months and days are UTC. Members and tenant admins read their 
 operator any tenant, or every tenant at once (`ALL_TENANTS`). Hourly buckets and checkpoint
 storage for the Tinker billing routes are in `usage_hourly`; price versions and a tenant's quota
 beside its spend in `billing_status`.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ gigabyte-hours (GB = 10^9 bytes): a registry checkpoint counts from its creation
 deleted or expires; the platform's own recovery checkpoints (`auto_checkpoints`) count the same
 way but as free storage, since no user chose to keep them. Storage has no price (prices are per
 token class), so its cost is None. A caller sees its own tenant only.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ loads ("loaded": a copy, so recovery never depends on a file the user can delete
 expires). Each records the seq_id whose state it holds and that state's hashes; recovery loads the
 newest one at or before the seq it rebuilds, checks the hashes, and replays only what follows.
 Only the newest `keep` automatic ones are kept; loaded ones are kept for the session's life.
-Files live under the tenant's prefix, built here. Imports nothing from api, gpu_worker or torch.
+Files live under the tenant's prefix, built here. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 mints a random token good for TOKEN_TTL; only its SHA-256 is stored (`checkpoint_downloads`).
 `redeem` answers, with no API key, while the token is live, the checkpoint is live (not deleted
 or expired) and still readable by the tenant the token was issued to, so unpublishing a
-checkpoint takes back the links of other tenants at once. Imports nothing from api, gpu_worker,
+checkpoint takes back the links of other tenants at once. Imports nothing from api, engine, worker,
 Flask or torch.
 """
 

@@ -5,7 +5,7 @@ resumable), `tinker://<run id>/sampler_weights/<name>` (weights for sampling, op
 into a full model) or `tinker://<run id>/external_weights/<name>` (a PEFT adapter folder for use
 outside Treadle). Its files live under the tenant's storage prefix, built here and never taken
 from input. Each save is a new version of a model package group. Every lookup is tenant-scoped:
-another tenant's checkpoint answers like a missing one. Imports nothing from api, gpu_worker or torch.
+another tenant's checkpoint answers like a missing one. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ ObjectStore, so deleting or unpublishing the source never touches the copy. The 
 `<session_id>:train:<model_seq_id>` when the caller names one of its running client sessions,
 else the run 0 of a new, finished client session. A request key (the SDK's X-Idempotency-Key)
 makes a resent copy answer the first one's path. Owns `checkpoints.copied_from` and
-`copy_request_key`. Imports nothing from api, gpu_worker, Flask or torch.
+`copy_request_key`. Imports nothing from api, engine, worker, Flask or torch.
 """
 
 from __future__ import annotations

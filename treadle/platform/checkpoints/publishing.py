@@ -7,7 +7,7 @@ is its own tenant's only, and another tenant's key gets the 404 a missing checkp
 keys of the owning tenant publish, unpublish, delete it or change its TTL. Publishing a public
 checkpoint or unpublishing a private one changes nothing and succeeds (the SDK retries a 409 for
 minutes). Owns `checkpoints.published_at` / `published_by`.
-Imports nothing from api, gpu_worker, Flask or torch.
+Imports nothing from api, engine, worker, Flask or torch.
 """
 
 from __future__ import annotations

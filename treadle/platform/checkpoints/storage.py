@@ -3,7 +3,7 @@
 `ObjectStore` is what the platform codes against; `LocalStore` keeps objects as files under a
 directory, `S3Store` in an S3-compatible bucket (boto3, imported lazily). Keys are built by
 `tenant_key` / `content_key`, never taken from input (ARCHITECTURE.md §6), and every store method
-validates the key it is given. Imports nothing from api, gpu_worker, flask or torch.
+validates the key it is given. Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 in one statement, so appends to one session are serialised and numbered 1, 2, 3, ... without
 gaps; the database refuses UPDATE and DELETE on `events`. Event types are past-tense facts.
 Each append is counted by type once its transaction commits (`treadle_event_appends_total`).
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ second or two, so it keeps working, by polling alone, while Redis is down. A req
 process admitted is known to be pending until its notice arrives, so its waiters skip the
 database check they would otherwise start with; and where a notice carries the outcome itself
 (`publish_done`'s `outcome`), they read nothing at all.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

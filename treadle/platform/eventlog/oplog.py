@@ -2,7 +2,7 @@
 admission in the API (outcome "admitted", "duplicate" or "refused") and at settlement in the
 worker (outcome "completed" or "failed"), with message "operation" and the operation's fields
 as the record's extras, so the JSON log format (`treadle.platform.logs`) writes them as keys.
-Imports nothing from api, gpu_worker, flask or torch.
+Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

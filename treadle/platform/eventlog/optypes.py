@@ -5,7 +5,7 @@ the worker reads them back with `parse_payload` and dispatches on `OpType` throu
 Whether an operation runs in the session's seq_id order, whether it changes the adapter (so its
 state hash is recorded and verified on replay) and whether recovery replays it are properties of
 the payload, not lists of strings kept in step by hand.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

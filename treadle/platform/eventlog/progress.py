@@ -28,7 +28,7 @@ consumer that must not show it trims the text itself at the end, and one that mi
 (Redis hiccup, subscribed late) sends what the final result has beyond what it streamed.
 A failed operation publishes no more progress; its error is in the row.
 
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The database schema, as SQLAlchemy Core tables.
 
 Alembic migrations (`migrations/versions`) are the only way the schema changes; a test checks
-that these tables and the migrations never drift. Imports nothing from api, gpu_worker or torch.
+that these tables and the migrations never drift. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ value a datum that omits them gets, its `loss_fn_config` keys with default and a
 and which of those keys a datum may also give per token as a `loss_fn_inputs` tensor. The API
 validates against it; the engine builds its loss functions from it, so there is one source of
 truth. Formulas and sources: docs/losses-and-sampling.md.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The loss table says which `loss_fn_inputs` and `loss_fn_config` keys each loss t
 name the datum and the field, and say how to fix it. The limits are checked at the edge (the API's
 body reader, request schemas and protobuf decoder) before anything is allocated in proportion to
 what a request declares; the engine re-checks what it relies on.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Failing operations before they run: every pending one of a stopped, expired or diverged
 session (`fail_pending`), or one a client cancels (`cancel`). Each appends `OperationFailed`,
 marks the row failed and releases the operation's metering reservation in the caller's
-transaction. Imports nothing from api, gpu_worker or torch.
+transaction. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

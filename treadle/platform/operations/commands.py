@@ -7,7 +7,7 @@ dependencies passed in explicitly, so the API's views only parse, call one and s
   the session's worker; each admission is counted and logged (`oplog`), a refusal logged.
 - `stop_session`, `finish_client_session`: stop, fail what was pending, tell the worker, notify
   whoever waits.
-Imports nothing from api, gpu_worker, flask or torch.
+Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A sampling client's seq_ids live in blocks of CLONE_BLOCK: the original client's
 clone's at CLONE_BLOCK x its number. The completions cursor is the position of the event that
 settled a request (`OperationCompleted` / `OperationFailed`), so it only moves forward and a
 request settles exactly once under it. Owns `samplers.clients_joined`.
-Imports nothing from api, gpu_worker, Flask or torch.
+Imports nothing from api, engine, worker, Flask or torch.
 """
 
 from __future__ import annotations

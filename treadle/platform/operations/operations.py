@@ -8,7 +8,7 @@ operation after it at once, as if the refused seq_id had never been reserved. A 
 cancelled by its client (`cancellation.cancel`) fails in place and its training seq_id is passed over the same
 way. Settlement appends `OperationCompleted` (with the state hashes of a state-changing operation)
 or `OperationFailed` in one transaction guarded by the worker's lease epoch.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

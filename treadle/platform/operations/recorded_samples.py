@@ -8,7 +8,7 @@ per-token logprobs), so nothing a client sends can change them. A training datum
 tenant, a sequence sampled from this session's weights, not expired, the datum's tokens equal the
 recorded ones) and returns the recorded sampler logprob of every sampled target, which
 `stable_reinforce` reads. Each use moves the record's expiry to now + the TTL.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

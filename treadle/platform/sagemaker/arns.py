@@ -13,7 +13,7 @@ Hub content name of each registered base model, built here and parsed strictly.
   are letters and digits joined by single hyphens (`HuggingFaceTB--SmolLM2-135M-Instruct`), and
   any other name its letters and digits joined by single hyphens plus 8 hex digits of its
   SHA-256 (never `--`, so the two forms never meet).
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ says, version 1.0.0, with the keywords the SageMaker SDK looks for
 `HuggingfaceId` is the registry name: the id `list_base_models()` reports, that
 `create_lora_training_client` resolves back and that `get_tokenizer()` loads (Treadle's
 hub-compatible `/hf` serves every model's tokenizer under its name). Retired models are not
-listed and not resolved for new sessions. Imports nothing from api, gpu_worker or torch.
+listed and not resolved for new sessions. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ sampling, or a merged model); a Tinker client's saves in the same group are vers
 group exists once a row names it (CreateModelPackageGroup, or the first SageMaker session that
 names it) or a checkpoint is in it. Deleting a package deletes its checkpoint (the caller then
 deletes its files). Every lookup is scoped to the caller's tenant; another tenant's group or
-package answers like a missing one. Imports nothing from api, gpu_worker or torch.
+package answers like a missing one. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ its client token, so that a resubmission with the same token answers the same op
 An operation id is the platform's request id; the row is written in the admission's
 transaction, so it exists exactly when the operation does. Samplers of a session's runtime
 (`sampler`) are per weights: the base model, or one model package. Owns `sagemaker_operations`.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Running, Blocked while a later sequence number waits for a missing one (until it
 worker's gap timeout passes it over), Stopped, Failed (diverged from its log or unrecoverable),
 Expired (no request for the idle time). A stop takes effect at once (no Stopping is ever seen);
 a delete removes the name at once (no Deleting); both are events in the session's log.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

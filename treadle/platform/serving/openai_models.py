@@ -6,7 +6,7 @@ catalogue base model; anything else, another tenant's included, is a 404 like a 
 Each (tenant, model, weights) gets a sampler of its own, so its seq_ids are allocated here, in the
 database (`next_seq`), and never collide with a tinker client's. Checkpoints and base models are
 served by a sampling session in the tenant's OpenAI client session (one per tenant, tagged
-OPENAI_TAG, heartbeated by every request). Imports nothing from api, gpu_worker, flask or torch.
+OPENAI_TAG, heartbeated by every request). Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

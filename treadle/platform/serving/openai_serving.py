@@ -3,7 +3,7 @@ chat template), the Sample payload, and a sample result as OpenAI choices, logpr
 
 Both catalogue models use SmolLM2's tokenizer and its ChatML chat template, so tiny-debug chats
 too. Text is decoded without special tokens (the EOS a chat stops on is not shown) and cut at the
-first stop string, which OpenAI never returns. Imports nothing from api, gpu_worker, flask or
+first stop string, which OpenAI never returns. Imports nothing from api, engine, worker, flask or
 torch (transformers is loaded lazily, by `tokenizers.load_tokenizer`).
 """
 

@@ -5,7 +5,7 @@ leased to one worker at a time (worker id + epoch on the session row); every new
 the epoch (`SessionLeased`), so a write by a previous holder is refused at settlement. A worker
 that stops or dies gives its leases back (`SessionReleased`) and live workers claim them.
 Every change is counted by reason once its transaction commits (`treadle_lease_changes_total`).
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

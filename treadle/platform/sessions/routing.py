@@ -2,7 +2,7 @@
 
 Celery messages are wake-ups only (session id + request id); the event log is the truth. Each
 session's operations go to its own queue, consumed only by the worker holding its lease, with
-`acks_late` and prefetch 1. Imports nothing from api, gpu_worker or torch.
+`acks_late` and prefetch 1. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A training session is a Tinker model (`<client session>:train:<n>`): a base model plus a LoRA
 adapter, one event stream, leased to one worker at a time (worker id + epoch). Every lookup is
 scoped by tenant, and another tenant's id answers exactly like a missing one.
-Imports nothing from api, gpu_worker or torch.
+Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations

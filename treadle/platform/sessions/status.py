@@ -6,7 +6,7 @@ tenant, and the pending operations with the oldest of them.
 Two read-only statements (one for the workers, one for the rest), so the view costs the database
 little however often an operator or a script polls it. Ages are computed by PostgreSQL from its
 own clock, the one heartbeats are written with. Operator only.
-Imports nothing from api, gpu_worker, flask or torch.
+Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

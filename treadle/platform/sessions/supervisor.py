@@ -6,7 +6,7 @@ workers claim its sessions — then restarted under the same worker id with expo
 Restarts the embedded PostgreSQL / Redis that `treadle up` started, on the same data dir and
 port or socket, so every URL already handed out stays valid. Writes `<data dir>/up.json` (what
 runs, with pids and restart counts) after every change.
-Imports nothing from api, gpu_worker, flask or torch.
+Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ id (20 uppercase letters and digits, like AWS's) with a 40-character secret acce
 symmetric, so the server needs the secret itself: it is stored only encrypted (Fernet, under the
 operator's TREADLE_SECRETS_KEY; several comma-separated keys rotate: the first encrypts, all
 decrypt), shown once when minted, and never logged, listed or put in an error message.
-Imports nothing from api, gpu_worker, flask or torch.
+Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ is shown once, when it is minted; lookups go by key id with a constant-time comp
 hash (keys seeded from TREADLE_ADMIN_KEY, whose text the operator chose, by the hash's unique
 index). The plaintext is never stored, logged or put in an error message. A key may also carry
 an AWS-style access key pair for SigV4 (`access_keys`); listings show its id, never its secret.
-Imports nothing from api, gpu_worker, flask or torch.
+Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Roles: the platform's `operator` (the key seeded from TREADLE_ADMIN_KEY; creates
 disables and enables tenants, manages any tenant's keys, and uses the service as a member of
 tenant `default`), a tenant's `admin` (manages its own tenant's keys) and `member` (uses the
 service). Role checks live here, in the platform, so every caller gets them, not only the views.
-Keys themselves are in `keys`. Imports nothing from api, gpu_worker, flask or torch.
+Keys themselves are in `keys`. Imports nothing from api, engine, worker, flask or torch.
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from treadle.gpu_worker import checkpoint_io
-from treadle.gpu_worker.engine import (
+from treadle.engine.engine import (
     AdamSpec,
     Engine,
     EngineDatum,
@@ -46,6 +45,7 @@ from treadle.platform.eventlog.optypes import (
     SaveWeights,
     SaveWeightsForSampler,
 )
+from treadle.worker import checkpoint_io
 
 # Runs in the settlement's transaction; returns fields to add to the result (or None).
 Registration = Callable[[sa.Connection], Mapping[str, Any] | None]

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from treadle.gpu_worker.lora import LoraSpec, LoraWeights
-from treadle.gpu_worker.lora_targets import Category, suffix_category
+from treadle.engine.lora.adapters import LoraSpec, LoraWeights
+from treadle.engine.lora.targets import Category, suffix_category
 from treadle.platform.errors import ValidationError
 
 __all__ = [

@@ -28,8 +28,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from treadle.gpu_worker.batching import Finished, SampleRequest
-from treadle.gpu_worker.group import Group, gather
+from treadle.engine.distributed.group import Group, gather
+from treadle.engine.sampling.decode import Finished, SampleRequest
 
 __all__ = ["CALLS", "FollowerBatches", "LeaderBatch", "Stopped"]
 

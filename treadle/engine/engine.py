@@ -21,14 +21,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from treadle.gpu_worker import adapter_files, batching, fingerprint, sampler
-from treadle.gpu_worker.batching import SampleJob, SampleRequest
-from treadle.gpu_worker.chunked_logprobs import wants_checkpointing
-from treadle.gpu_worker.cpu_threads import threads_for
-from treadle.gpu_worker.group import Group, Part, shard_layers
-from treadle.gpu_worker.heap import release_excess
-from treadle.gpu_worker.lora import AdamSpec, LoraHost, LoraSpec, TrainableLora
-from treadle.gpu_worker.losses import (
+from treadle.engine.distributed.group import Group, Part, shard_layers
+from treadle.engine.lora import files as adapter_files
+from treadle.engine.lora.adapters import AdamSpec, LoraHost, LoraSpec, TrainableLora
+from treadle.engine.lora.snapshots import Snapshot, Snapshots
+from treadle.engine.losses.chunked_logprobs import wants_checkpointing
+from treadle.engine.losses.functions import (
     MICROBATCH_LOGITS,
     EngineDatum,
     LossFn,
@@ -38,16 +36,21 @@ from treadle.gpu_worker.losses import (
     padded_tokens,
     validate_data,
 )
-from treadle.gpu_worker.models import load_base_model
-from treadle.gpu_worker.paging import Paging
-from treadle.gpu_worker.sampler import (
+from treadle.engine.memory import fingerprint
+from treadle.engine.memory.heap import release_excess
+from treadle.engine.memory.paging import Paging
+from treadle.engine.models.loading import load_base_model
+from treadle.engine.models.threads import threads_for
+from treadle.engine.sampling import decode as batching
+from treadle.engine.sampling import rules as sampler
+from treadle.engine.sampling.decode import SampleJob, SampleRequest
+from treadle.engine.sampling.rules import (
     PromptScoring,
     PromptTargets,
     SampledSequence,
     SampleResult,
     SamplingSpec,
 )
-from treadle.gpu_worker.snapshots import Snapshot, Snapshots
 from treadle.platform.errors import (
     ConflictError,
     NotFoundError,

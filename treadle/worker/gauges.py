@@ -21,12 +21,12 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from treadle.gpu_worker.capacity import device_memory_in_use
-from treadle.gpu_worker.group_engine import GroupEngine
-from treadle.gpu_worker.host import SessionHost
+from treadle.engine.distributed.executor import GroupEngine
+from treadle.engine.memory.capacity import device_memory_in_use
 from treadle.platform import metrics
 from treadle.platform.config import PlatformConfig
 from treadle.platform.sessions import leases
+from treadle.worker.host import SessionHost
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from treadle.gpu_worker.heap import release_excess
-from treadle.gpu_worker.lora import TrainableLora
+from treadle.engine.lora.adapters import TrainableLora
+from treadle.engine.memory.heap import release_excess
 
 __all__ = ["Paging", "SPILL_SUFFIX", "owned", "page_out", "write_spill_file"]
 

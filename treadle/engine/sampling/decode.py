@@ -25,15 +25,15 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
-from treadle.gpu_worker.lora import LoraHost, LoraWeights, RowAdapters
-from treadle.gpu_worker.losses import MICROBATCH_LOGITS
-from treadle.gpu_worker.prompt_scores import (
+from treadle.engine.lora.adapters import LoraHost, LoraWeights, RowAdapters
+from treadle.engine.losses.functions import MICROBATCH_LOGITS
+from treadle.engine.sampling.prompt_scores import (
     PromptScores,
     PromptScoring,
     score_prompt,
     topk_logprobs,
 )
-from treadle.gpu_worker.sampler import (
+from treadle.engine.sampling.rules import (
     ALT_SEED_OFFSET,
     EosIds,
     SampledSequence,

@@ -31,9 +31,8 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
-from treadle.gpu_worker import faults, handlers, recovery, streaming, telemetry
-from treadle.gpu_worker.batching import Key
-from treadle.gpu_worker.engine import Engine, SampleBatch, SampleRequest, SampleResult
+from treadle.engine.engine import Engine, SampleBatch, SampleRequest, SampleResult
+from treadle.engine.sampling.decode import Key
 from treadle.platform import db, metrics
 from treadle.platform.billing import metering
 from treadle.platform.checkpoints.storage import ObjectStore
@@ -56,6 +55,7 @@ from treadle.platform.operations import cancellation, operations
 from treadle.platform.sessions import leases
 from treadle.platform.sessions import sessions as sessions_core
 from treadle.platform.sessions.sessions import ADAPTER_KINDS, SessionRow, SessionStatus
+from treadle.worker import faults, handlers, recovery, streaming, telemetry
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from treadle.gpu_worker.capacity import device_memory
+from treadle.engine.memory.capacity import device_memory
 
 __all__ = [
     "ACTIVATION_VALUES_PER_HIDDEN",

@@ -19,8 +19,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from treadle.gpu_worker import checkpoint_io, handlers, telemetry
-from treadle.gpu_worker.engine import Engine, Interrupt
+from treadle.engine.engine import Engine, Interrupt
 from treadle.platform.checkpoints import auto_checkpoints
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.errors import ConflictError, GoneError, TreadleError
@@ -35,6 +34,7 @@ from treadle.platform.eventlog.optypes import (
 from treadle.platform.operations import operations
 from treadle.platform.sessions import sessions as sessions_core
 from treadle.platform.sessions.sessions import SessionRow
+from treadle.worker import checkpoint_io, handlers, telemetry
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.gpu_worker import cpu_linear
-from treadle.gpu_worker.lora_targets import (
+from treadle.engine.lora.targets import (
     LoraTargets,
     resolve,
 )
+from treadle.engine.models import cpu_linear
 from treadle.platform.errors import ValidationError
 
 __all__ = [

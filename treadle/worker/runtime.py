@@ -19,12 +19,11 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.signals import after_setup_task_logger, worker_ready, worker_shutting_down
 
-from treadle.gpu_worker import gauges, heap
-from treadle.gpu_worker import group as worker_group
-from treadle.gpu_worker.capacity import Capacity
-from treadle.gpu_worker.engine import Engine
-from treadle.gpu_worker.group_engine import GroupEngine
-from treadle.gpu_worker.host import SessionHost
+from treadle.engine.distributed import group as worker_group
+from treadle.engine.distributed.executor import GroupEngine
+from treadle.engine.engine import Engine
+from treadle.engine.memory import heap
+from treadle.engine.memory.capacity import Capacity
 from treadle.platform import db, logs
 from treadle.platform.checkpoints import checkpoints, storage
 from treadle.platform.config import PlatformConfig
@@ -33,6 +32,8 @@ from treadle.platform.models import registry
 from treadle.platform.operations import cancellation, operations, recorded_samples
 from treadle.platform.sessions import leases, routing
 from treadle.platform.sessions import sessions as sessions_core
+from treadle.worker import gauges
+from treadle.worker.host import SessionHost
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ def run_worker(
     group: worker_group.Group | None = None,
 ) -> None:
     """Run the worker `worker_id` until it is shut down: alone, or as rank 0 of `group`, whose
-    other ranks follow its engine (`gpu_worker/ranks.py`)."""
+    other ranks follow its engine (`worker/launch.py`)."""
     heap.keep_freed_pages()
     database = db.connect(config.database_url, pool_size=4)
     engine: Engine | GroupEngine = new_engine(

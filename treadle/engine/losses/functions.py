@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from treadle.gpu_worker.chunked_logprobs import (
+from treadle.engine.losses.chunked_logprobs import (
     FULL_LOGITS_AT_MOST,
     checkpointed_layers,
     target_logprobs,

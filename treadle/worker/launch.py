@@ -21,11 +21,11 @@ import sys
 
 import torch
 
-from treadle.gpu_worker import group as worker_group
-from treadle.gpu_worker.group_engine import follow
-from treadle.gpu_worker.runtime import new_engine, run_worker
+from treadle.engine.distributed import group as worker_group
+from treadle.engine.distributed.executor import follow
 from treadle.platform import db
 from treadle.platform.config import PlatformConfig
+from treadle.worker.runtime import new_engine, run_worker
 
 __all__ = ["is_rank", "launch", "run_follower", "run_rank"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from treadle.gpu_worker.engine import Engine
+from treadle.engine.engine import Engine
 from treadle.platform.checkpoints import checkpoints
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.eventlog import events

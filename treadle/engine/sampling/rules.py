@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from treadle.gpu_worker.prompt_scores import (
+from treadle.engine.sampling.prompt_scores import (
     PromptScoring,
     PromptTargets,
     validate_scoring,

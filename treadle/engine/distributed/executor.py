@@ -19,10 +19,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from treadle.gpu_worker import group_batches
-from treadle.gpu_worker.batching import SampleRequest
-from treadle.gpu_worker.capacity import device_memory_in_use
-from treadle.gpu_worker.group import Group, broadcast, fail, gather
+from treadle.engine.distributed import decoding as group_batches
+from treadle.engine.distributed.group import Group, broadcast, fail, gather
+from treadle.engine.memory.capacity import device_memory_in_use
+from treadle.engine.sampling.decode import SampleRequest
 
 __all__ = ["MIRRORED", "GroupEngine", "follow"]
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from treadle.gpu_worker.lora import LoraWeights
-from treadle.gpu_worker.paging import owned, page_out, write_spill_file
+from treadle.engine.lora.adapters import LoraWeights
+from treadle.engine.memory.paging import owned, page_out, write_spill_file
 from treadle.platform.errors import UnavailableError
 
 __all__ = ["SNAPSHOT_SUFFIX", "Snapshot", "Snapshots"]

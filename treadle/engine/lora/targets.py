@@ -7,7 +7,7 @@ refusals: a requested category that matches no linear, one whose blocks hold lin
 not know, and MLP training where the experts are 3-D parameters (no `nn.Linear` to wrap). A linear
 counts by where it sits (inside a decoder layer's attention block or its MLP block) and by its
 name; MoE routers are never targets. `suffix_category` needs no model, for reading peft configs.
-Must not import flask, sqlalchemy, celery, treadle.api or treadle.gpu_worker.lora (which uses it).
+Must not import flask, sqlalchemy, celery, treadle.api or treadle.engine.lora.adapters (which uses it).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class LoraTargets:
                     f"{self.architecture}'s {words} blocks hold linears Treadle does not "
                     f"recognise ({', '.join(strangers[:3])}{', ...' if len(strangers) > 3 else ''})"
                     f"; create the session with {flag}=False, or add their names to the suffix "
-                    "table in treadle/gpu_worker/lora_targets.py"
+                    "table in treadle/engine/lora/targets.py"
                 )
             found = getattr(self, category)
             if not found:
