@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 
 from treadle.platform.errors import OperationCancelledError, TimeLimitExceededError
-from treadle.worker.host import WorkerClosing, _Running
+from treadle.worker.running import Running, WorkerClosing
 
 
-def _running(limit: float) -> tuple[_Running, threading.Event]:
+def _running(limit: float) -> tuple[Running, threading.Event]:
     closing = threading.Event()
     op = SimpleNamespace(type="sample", request_id="req-1")
-    return _Running(SimpleNamespace(closing=closing), op, limit), closing  # type: ignore[arg-type]
+    return Running(closing, op, limit), closing  # type: ignore[arg-type]
 
 
 def test_an_operation_within_its_time_limit_goes_on() -> None:

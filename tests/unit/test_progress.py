@@ -37,7 +37,7 @@ def _rid() -> str:
 
 
 class _Flag:
-    """A request's interrupt, as the host's `_Running.check`: raises once it is cancelled."""
+    """A request's interrupt, as `running.Running.check`: raises once it is cancelled."""
 
     def __init__(self) -> None:
         self.reason: str | None = None

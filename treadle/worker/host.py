@@ -3,23 +3,21 @@
 A wake-up names a session (and maybe a request); the host reads the log and applies the
 session's next training operations in seq_id order (a duplicate is dropped; a seq_id refused at
 admission is passed over at once; any other gap waits for its request, or is skipped once it has
-waited the gap timeout), runs samples in one continuous engine batch across its sessions (those
-waiting join when it starts, those arriving join between decoding steps for its first seconds,
-each leaves as soon as it is done), and settles each outcome in one transaction guarded by its
-lease epoch.
+waited the gap timeout), hands samples to one continuous engine batch across its sessions
+(`sample_batches`), and settles each outcome in one transaction guarded by its lease epoch
+(`settle`).
 
 What the host holds in memory is trusted only for the lease epoch and applied seq_id it was built
 for: anything else is rebuilt from the newest automatic checkpoint and a verified replay
 (`recovery`), and an operation's effect counts only once its own settlement commits it as
 completed; otherwise the adapter is discarded and rebuilt. A replay that does not reproduce the
-recorded state marks the session diverged. Every operation runs under an interrupt that stops it
-at its next step boundary when its session is stopped, the worker shuts down or the execution
-time limit passes. Imports platform and the engine; never api.
+recorded state marks the session diverged. Every operation runs under an interrupt (`running`)
+that stops it at its next step boundary when its session is stopped, the worker shuts down or the
+execution time limit passes. Imports platform and the engine; never api.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -31,21 +29,13 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
-from treadle.engine.engine import Engine, SampleBatch, SampleRequest, SampleResult
-from treadle.engine.sampling.decode import Key
-from treadle.platform import db, metrics
-from treadle.platform.billing import metering
+from treadle.engine.engine import Engine
+from treadle.platform import db
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.config import PlatformConfig
-from treadle.platform.errors import (
-    OperationCancelledError,
-    TimeLimitExceededError,
-    TreadleError,
-)
-from treadle.platform.eventlog import events, notify, progress
+from treadle.platform.eventlog import events, notify
 from treadle.platform.eventlog.optypes import (
     OptimStep,
-    OpType,
     Payload,
     Rebuild,
     Sample,
@@ -55,45 +45,12 @@ from treadle.platform.operations import cancellation, operations
 from treadle.platform.sessions import leases
 from treadle.platform.sessions import sessions as sessions_core
 from treadle.platform.sessions.sessions import ADAPTER_KINDS, SessionRow, SessionStatus
-from treadle.worker import faults, handlers, recovery, streaming, telemetry
+from treadle.worker import faults, handlers, recovery
+from treadle.worker.running import Running, WorkerClosing, error_of
+from treadle.worker.sample_batches import SampleBatches
+from treadle.worker.settle import Settler
 
 log = logging.getLogger(__name__)
-
-
-# The most sample operations decoding together in one engine batch.
-SAMPLE_BATCH_LIMIT = 32
-# Samples arriving while a batch runs join it between decoding steps during its first seconds
-# only, so that a stream of samples never starves the training operations queued behind it;
-# the database is asked for them at most this often.
-SAMPLE_JOIN_WINDOW_SECONDS = 2.0
-SAMPLE_LOOK_INTERVAL_SECONDS = 0.02
-# A batch gathers the samples that arrive right after its first before its first step: it
-# starts once none has come for SAMPLE_GATHER_QUIET_SECONDS (looking every
-# SAMPLE_GATHER_LOOK_SECONDS), at the latest SAMPLE_GATHER_MAX_SECONDS after the first.
-# Requests sent together reach the worker milliseconds apart: each is admitted on its own, and
-# those of one session one after another (each append locks the session's row), 10-15 ms apart
-# for 16 requests on one sampler here. On a CPU a decoding step of one row costs nearly what one
-# of sixteen does: a batch that started with the first alone decoded it alone for a tenth of a
-# second or more, steps every later request then added at its end; a lone sample pays the quiet
-# period (docs/benchmarks.md, "Sampling").
-SAMPLE_GATHER_QUIET_SECONDS = 0.04
-SAMPLE_GATHER_LOOK_SECONDS = 0.01
-SAMPLE_GATHER_MAX_SECONDS = 0.3
-
-
-@dataclasses.dataclass
-class _Sampling:
-    """A sample operation in the running batch."""
-
-    session: SessionRow
-    op: operations.OperationRow
-    payload: Sample
-    run: _Running
-    started: float
-
-
-class WorkerClosing(Exception):
-    """The worker is shutting down: the operation stays pending for the session's next holder."""
 
 
 @dataclass
@@ -103,31 +60,6 @@ class _Held:
     epoch: int
     applied_seq: int
     steps_since_point: int  # optimizer steps since the last recovery point
-
-
-class _Running:
-    """The operation now executing: its interrupt raises once it must stop."""
-
-    def __init__(self, host: SessionHost, op: operations.OperationRow, limit: float) -> None:
-        self.host, self.op, self.limit = host, op, limit
-        self.deadline = time.monotonic() + limit
-        self.cancelled: str | None = None
-
-    def check_stop(self) -> None:
-        """Raise if the worker is closing or the operation was cancelled (stopped)."""
-        if self.host.closing.is_set():
-            raise WorkerClosing
-        if self.cancelled is not None:
-            raise OperationCancelledError(self.cancelled)
-
-    def check(self) -> None:
-        self.check_stop()
-        if time.monotonic() > self.deadline:
-            raise TimeLimitExceededError(
-                f"{self.op.type} ran longer than the execution time limit of {self.limit:g} s "
-                "and was stopped; send less work per call (fewer datums, samples or tokens), or "
-                "ask the operator to raise TREADLE_OP_TIME_LIMIT_SECONDS"
-            )
 
 
 class SessionHost:
@@ -150,8 +82,9 @@ class SessionHost:
         self.closing = threading.Event()
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._held: dict[str, _Held] = {}
-        self._running: _Running | None = None
-        self._sampling: dict[str, _Running] = {}  # request id -> each sample of the batch
+        self._running: Running | None = None
+        self.settler = Settler(db, redis_client, worker_id, config.metering)
+        self.samples = SampleBatches(self)
         self.on_not_holder: Any = None  # set by the runtime: stop consuming a lost session
 
     # --- entry points (Celery tasks, the lease keeper) ---------------------------------------
@@ -192,6 +125,10 @@ class SessionHost:
                     "%s: left %s to its next holder (shutting down)", self.worker_id, session_id
                 )
 
+    def lock(self, session_id: str) -> threading.Lock:
+        """The lock held while the session's operations run (one thread per session)."""
+        return self._locks[session_id]
+
     def stop(self, session_id: str) -> None:
         with self._locks[session_id]:
             self._discard(session_id)
@@ -216,15 +153,14 @@ class SessionHost:
 
     def running_samples(self) -> list[operations.OperationRow]:
         """The sample operations of the batch running now (empty when none)."""
-        return [run.op for run in list(self._sampling.values())]
+        return self.samples.running_ops()
 
     def cancel(self, request_id: str, reason: str) -> None:
         """Stop the running operation `request_id` at its next step boundary (any thread)."""
         run = self._running
         if run is not None and run.op.request_id == request_id:
             run.cancelled = reason
-        if (sampling := self._sampling.get(request_id)) is not None:
-            sampling.cancelled = reason
+        self.samples.cancel(request_id, reason)
 
     def close(self) -> None:
         """The worker is shutting down: interrupt the running operation, start nothing new."""
@@ -308,7 +244,7 @@ class SessionHost:
             session,
             adapter_id=session.id,
             up_to_seq=session.last_applied_seq,
-            interrupt=self._closing_interrupt,
+            interrupt=self.closing_interrupt,
         )
         self._held[session.id] = _Held(
             session.lease_epoch, session.last_applied_seq, rebuilt.optim_steps_since_point
@@ -341,7 +277,7 @@ class SessionHost:
         if self.engine.has_adapter(session_id):
             self.engine.drop_adapter(session_id)
 
-    def _closing_interrupt(self) -> None:
+    def closing_interrupt(self) -> None:
         if self.closing.is_set():
             raise WorkerClosing
 
@@ -350,13 +286,13 @@ class SessionHost:
     def _execute(self, session: SessionRow, op: operations.OperationRow, payload: Payload) -> bool:
         """Run and settle a training operation; False when its settlement saw no training
         operation of the session pending after it (the drain has nothing more to look up)."""
-        call = self._call(session, op)
+        call = self.call(session, op)
         started_at = time.time()
         outcome, error, state, seconds = self._run(call, payload, op)
         try:
             if self.config.debug_faults:
                 faults.maybe_pause(self.redis, session.id, op.type, op.seq_id, self.closing)
-            settlement = self._settle(session, op, outcome, error, state, seconds, started_at)
+            settlement = self.settle(session, op, outcome, error, state, seconds, started_at)
         except BaseException:
             self._discard(session.id)  # whether it committed is unknown: rebuild from the log
             if self.config.debug_faults:
@@ -388,184 +324,12 @@ class SessionHost:
     ) -> None:
         """A sampler's operation: a sample joins a batch; anything else runs alone, now."""
         if isinstance(payload, Sample):
-            self._run_samples(session, op, payload)
+            self.samples.run(session, op, payload)
             return
-        outcome, error, _, seconds = self._run(self._call(session, op), payload, op)
-        self._settle(session, op, outcome, error, None, seconds, time.time() - seconds)
+        outcome, error, _, seconds = self._run(self.call(session, op), payload, op)
+        self.settle(session, op, outcome, error, None, seconds, time.time() - seconds)
 
-    def _run_samples(
-        self, session: SessionRow, first: operations.OperationRow, payload: Payload
-    ) -> None:
-        """Run `first` (its request's `payload`) in one continuous batch with the samples
-        waiting on this worker's sessions; more join between decoding steps while the batch is
-        young, and each is settled as soon as it finishes (called holding `session`'s lock)."""
-        assert isinstance(payload, Sample)
-        if payload.snapshot_id and not payload.checkpoint_prefix:
-            self._ensure_snapshot(session, payload.snapshot_id)
-        batch = self.engine.open_batch(session.base_model)
-        streams = streaming.Streams(self.redis)  # the requests streamed to their clients
-        admitted: dict[str, _Sampling] = {}
-        with contextlib.ExitStack() as locks:
-            try:
-                gathered = self._gather(session, (session, first, payload), locks)
-                self._admit(batch, gathered, admitted, streams)
-                started = looked = time.monotonic()
-                while True:
-                    now = time.monotonic()
-                    if now - started < SAMPLE_JOIN_WINDOW_SECONDS and (
-                        now - looked >= SAMPLE_LOOK_INTERVAL_SECONDS or not len(batch)
-                    ):
-                        room = SAMPLE_BATCH_LIMIT - len(batch)
-                        joining = self._waiting_samples(session, set(admitted), locks, room)
-                        self._admit(batch, joining, admitted, streams)
-                        looked = now
-                    if not len(batch):
-                        return
-                    try:
-                        finished = batch.step(self._closing_interrupt)
-                    except WorkerClosing:
-                        raise  # what was cut short stays pending for the next holder
-                    except Exception as exc:  # the engine failed: every sample in it fails
-                        log.exception("%s: a sample batch failed", self.worker_id)
-                        finished = [(request_id, exc) for request_id in admitted]
-                        self._finish(finished, admitted)
-                        return
-                    for request_id in streams.after_step(batch, finished):
-                        self.cancel(request_id, progress.CANCELLED_MESSAGE)  # at the next step
-                    self._finish(finished, admitted)
-            finally:
-                self._sampling = {}
-
-    def _gather(
-        self,
-        session: SessionRow,
-        first: tuple[SessionRow, operations.OperationRow, Sample],
-        locks: contextlib.ExitStack,
-    ) -> list[tuple[SessionRow, operations.OperationRow, Sample]]:
-        """`first` and the samples that arrive right after it (see SAMPLE_GATHER_*)."""
-        gathered = [first]
-        started = last = time.monotonic()
-        while len(gathered) < SAMPLE_BATCH_LIMIT and not self.closing.is_set():
-            now = time.monotonic()
-            if (
-                now - last >= SAMPLE_GATHER_QUIET_SECONDS
-                or now - started >= SAMPLE_GATHER_MAX_SECONDS
-            ):
-                break
-            time.sleep(SAMPLE_GATHER_LOOK_SECONDS)
-            taken = {op.request_id for _, op, _ in gathered}
-            room = SAMPLE_BATCH_LIMIT - len(gathered)
-            if more := self._waiting_samples(session, taken, locks, room):
-                gathered += more
-                last = time.monotonic()
-        return gathered
-
-    def _admit(
-        self,
-        batch: SampleBatch,
-        samples: list[tuple[SessionRow, operations.OperationRow, Sample]],
-        admitted: dict[str, _Sampling],
-        streams: streaming.Streams,
-    ) -> None:
-        """Let `samples` join `batch`; those that fail before reaching it, or finish at once,
-        are settled now."""
-        requests: list[tuple[Key, SampleRequest]] = []
-        failed: list[tuple[Key, SampleResult | Exception]] = []
-        for session, op, payload in samples:
-            run = _Running(self, op, self.config.op_time_limit_seconds)
-            admitted[op.request_id] = _Sampling(session, op, payload, run, time.perf_counter())
-            self._sampling[op.request_id] = run
-            call = dataclasses.replace(self._call(session, op), interrupt=run.check)
-            try:
-                requests.append((op.request_id, handlers.sample_request(call, payload)))
-            except Exception as exc:  # e.g. a checkpoint sampler whose files are gone
-                failed.append((op.request_id, exc))
-        if requests:
-            log.info("%s: %d samples join a batch of %d", self.worker_id, len(requests), len(batch))
-        joining = [(op.request_id, payload.num_samples) for _, op, payload in samples]
-        for request_id in streams.join(joining):  # cancelled before it ran: stops at its 1st step
-            self.cancel(request_id, progress.CANCELLED_MESSAGE)
-        finished = failed + batch.add(requests)
-        for request_id in streams.after_step(batch, finished):
-            self.cancel(request_id, progress.CANCELLED_MESSAGE)
-        self._finish(finished, admitted)
-
-    def _finish(
-        self, finished: list[tuple[Key, SampleResult | Exception]], admitted: dict[str, _Sampling]
-    ) -> None:
-        """Settle each finished sample with its result or its error."""
-        for key, out in finished:
-            if isinstance(out, WorkerClosing):
-                raise out  # it stays pending for the next holder
-            sampling = admitted.pop(str(key))
-            self._sampling.pop(sampling.op.request_id, None)
-            outcome, error = None, None
-            failed = f"{sampling.session.id}: sample seq {sampling.op.seq_id} failed"
-            try:
-                if isinstance(out, Exception):
-                    raise out
-                outcome = handlers.sample_outcome(sampling.payload, out)
-            except Exception as exc:
-                error = _error_of(exc, failed)
-            seconds = time.perf_counter() - sampling.started
-            started_at = time.time() - seconds  # when it joined its batch, read before settling
-            self._settle(sampling.session, sampling.op, outcome, error, None, seconds, started_at)
-
-    def _waiting_samples(
-        self,
-        session: SessionRow,
-        admitted: set[str],
-        locks: contextlib.ExitStack,
-        limit: int,
-    ) -> list[tuple[SessionRow, operations.OperationRow, Sample]]:
-        """Up to `limit` other pending samples of this worker's active sessions on the same base
-        model, whose weights are ready (a sampler snapshot still to be rebuilt waits for its own
-        wake-up); takes the lock of each other session it includes (skipping a busy one)."""
-        found: list[tuple[SessionRow, operations.OperationRow, Sample]] = []
-        if limit <= 0:
-            return found
-        with self.db.connect() as conn:
-            mine = leases.sessions_leased_to(conn, self.worker_id)
-            pending = operations.stale_pending(conn, mine, 0.0)
-            sessions: dict[str, SessionRow | None] = {session.id: session}
-            for other_session, other_request in pending:
-                if len(found) >= limit:
-                    break
-                if other_request in admitted:
-                    continue
-                if other_session not in sessions:
-                    sessions[other_session] = self._joinable(conn, other_session, locks)
-                s = sessions[other_session]
-                if s is None or s.base_model != session.base_model:
-                    continue
-                op = operations.get_operation(conn, None, other_request)
-                if op.sampler_id is None or op.is_done or op.type != OpType.SAMPLE:
-                    continue  # not a sample (a loadWeightsForSampling runs on its own wake-up)
-                payload = parse_payload(
-                    op.type, events.read_at(conn, op.request_position).data["payload"]
-                )
-                assert isinstance(payload, Sample)
-                snap = payload.snapshot_id
-                if snap and not payload.checkpoint_prefix and not self.engine.has_snapshot(snap):
-                    continue
-                found.append((s, op, payload))
-        return found
-
-    def _joinable(
-        self, conn: sa.Connection, session_id: str, locks: contextlib.ExitStack
-    ) -> SessionRow | None:
-        """The session, locked for the rest of the batch, if this worker holds it, it is
-        active and no other thread is busy with it."""
-        s = sessions_core.get_session(conn, None, session_id)
-        if s.worker_id != self.worker_id or not s.is_active:
-            return None
-        lock = self._locks[session_id]
-        if not lock.acquire(blocking=False):
-            return None
-        locks.callback(lock.release)
-        return s
-
-    def _call(self, session: SessionRow, op: operations.OperationRow) -> handlers.Call:
+    def call(self, session: SessionRow, op: operations.OperationRow) -> handlers.Call:
         return handlers.Call(
             engine=self.engine,
             store=self.store,
@@ -589,7 +353,7 @@ class SessionHost:
         self, call: handlers.Call, payload: Payload, op: operations.OperationRow
     ) -> tuple[handlers.Outcome | None, dict[str, Any] | None, dict[str, str] | None, float]:
         """Run the payload under an interrupt; (outcome, error, state hashes, seconds)."""
-        run = _Running(self, op, self.config.op_time_limit_seconds)
+        run = Running(self.closing, op, self.config.op_time_limit_seconds)
         self._running = run
         started = time.perf_counter()
         outcome = error = state = None
@@ -603,12 +367,12 @@ class SessionHost:
                 self._discard(call.session_id)  # part of it may have run: not in the log
             raise
         except Exception as exc:  # the engine failed: report it, keep the session going
-            error = _error_of(exc, f"{call.session_id}: {op.type} seq {op.seq_id} failed")
+            error = error_of(exc, f"{call.session_id}: {op.type} seq {op.seq_id} failed")
         finally:
             self._running = None
         return outcome, error, state, time.perf_counter() - started
 
-    def _settle(
+    def settle(
         self,
         session: SessionRow,
         op: operations.OperationRow,
@@ -618,42 +382,12 @@ class SessionHost:
         seconds: float,
         started_at: float,
     ) -> operations.Settlement | None:
-        """Settle an operation's outcome (it ran `seconds` from `started_at`, a `time.time()`);
-        None when this worker's lease was stale (nothing was written)."""
-        tokens = outcome.tokens if outcome is not None else handlers.no_tokens()
-        result = outcome.result if outcome is not None else None
-        usage = {"duration_ms": round(seconds * 1000, 3), "tokens": tokens}
-        try:
-            with self.db.begin() as conn:
-                settled = operations.settle(
-                    conn,
-                    op,
-                    worker_id=self.worker_id,
-                    lease_epoch=session.lease_epoch,
-                    result=result,
-                    error=error,
-                    usage=usage,
-                    state=state,
-                    also=outcome.also if outcome is not None else None,
-                    metering=self.config.metering,
-                )
-        except leases.StaleLeaseError as exc:
-            log.warning("refused a stale write: %s", exc)
-            metrics.count_conflict("stale_lease")
-            return None
-        if settled.is_new:
-            notice = operations.outcome_notice(
-                op.type, settled.result, error, max_bytes=notify.MAX_OUTCOME_BYTES
-            )
-            notify.publish_done(self.redis, op.request_id, notice)
-            telemetry.settled(self.worker_id, op, error, seconds, started_at)
-        if settled.charge is not None:
-            metering.count_charge(settled.charge)
-        return settled
+        """See `settle.Settler.settle`."""
+        return self.settler.settle(session, op, outcome, error, state, seconds, started_at)
 
     # --- samplers' snapshots and recovery points ----------------------------------------------
 
-    def _ensure_snapshot(self, session: SessionRow, snapshot_id: str) -> None:
+    def ensure_snapshot(self, session: SessionRow, snapshot_id: str) -> None:
         """An ephemeral sampler's snapshot, rebuilt from the log if this process lacks it."""
         if self.engine.has_snapshot(snapshot_id):
             return
@@ -673,7 +407,7 @@ class SessionHost:
             adapter_id=scratch,
             up_to_seq=seq_id,
             snapshots={snapshot_id},
-            interrupt=self._closing_interrupt,
+            interrupt=self.closing_interrupt,
         )
         self.engine.drop_adapter(scratch, keep_snapshots=True)
 
@@ -747,12 +481,3 @@ def _training_op_at(
     if refused_to >= next_seq and found[0].seq_id == refused_to + 1:
         return found[0], found[1], False
     return None, None, True
-
-
-def _error_of(exc: Exception, failed: str) -> dict[str, Any]:
-    """The error an operation settles with: a TreadleError as it says; anything else logged
-    (with `failed` and its traceback) and reported as an internal error."""
-    if isinstance(exc, TreadleError):
-        return {"category": exc.category, "code": exc.code, "message": exc.message}
-    log.error("%s", failed, exc_info=exc)
-    return {"category": "server", "code": "internal", "message": f"{type(exc).__name__}: {exc}"}

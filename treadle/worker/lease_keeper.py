@@ -1,0 +1,157 @@
+"""The lease keeper: the worker's thread that keeps its sessions held, consumed and moving.
+
+Every heartbeat it reports the worker (and what it can host, `capacity`), claims sessions no
+live worker holds, consumes its sessions' queues (and stops consuming those it lost), re-wakes
+stalled operations, expires idle sessions and checkpoints, frees the adapters of sessions it no
+longer hosts, and interrupts an operation whose session was stopped. Imports platform and the
+engine; never api.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from celery import Celery
+
+from treadle.engine.distributed.executor import GroupEngine
+from treadle.engine.memory.capacity import Capacity
+from treadle.platform.checkpoints import checkpoints
+from treadle.platform.config import PlatformConfig
+from treadle.platform.eventlog import notify
+from treadle.platform.models import registry
+from treadle.platform.operations import cancellation, operations, recorded_samples
+from treadle.platform.sessions import leases, routing
+from treadle.platform.sessions import sessions as sessions_core
+from treadle.worker.host import SessionHost
+
+__all__ = ["STALL_SECONDS", "LeaseKeeper"]
+
+log = logging.getLogger(__name__)
+
+# A pending operation this old gets a fresh wake-up (a message lost with a dead worker).
+STALL_SECONDS = 3.0
+
+
+class LeaseKeeper(threading.Thread):
+    """Heartbeats the worker, claims sessions no live worker holds, keeps its sessions' queues
+    consumed and moving, and interrupts an operation whose session was stopped."""
+
+    def __init__(
+        self, config: PlatformConfig, host: SessionHost, app: Celery, metrics_url: str | None = None
+    ) -> None:
+        super().__init__(name="lease-keeper", daemon=True)
+        self.config = config
+        # What the heartbeat tells the platform about this process (`treadle status` shows it).
+        self.info: dict[str, Any] = {"pid": os.getpid(), "metrics_url": metrics_url}
+        shards = 1
+        if isinstance(host.engine, GroupEngine):
+            group = host.engine.group
+            self.info["world_size"] = group.world_size
+            self.info["group_timeout_seconds"] = group.timeout_seconds
+            self.info["layout"] = group.layout
+            shards = group.world_size if group.sharded else 1
+        self.host = host
+        engine = host.engine
+        self.capacity = Capacity(
+            engine.device, engine.dtype, config.worker_model_memory_bytes, shards=shards
+        )
+        self.app = app
+        self.consuming: set[str] = set()
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._first = True
+        host.on_not_holder = self.hand_off
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("lease keeper tick failed; retrying")
+            self.stopped.wait(self.config.worker_heartbeat_seconds)
+
+    def tick(self) -> None:
+        me = self.host.worker_id
+        if isinstance(self.host.engine, GroupEngine):
+            self.host.engine.ping()  # a dead rank ends the group here, between operations
+        with self.host.db.begin() as conn:
+            # Retired models too: the sessions already on them still need a host.
+            models = [m.info for m in registry.list_models(conn, include_retired=True)]
+            report = self.capacity.report(models)
+            leases.heartbeat_worker(conn, me, {**self.info, **report})
+            hostable = report["models"]
+            ttl = self.config.lease_ttl_seconds
+            claimed = [
+                s
+                for s in leases.unleased_sessions(conn, base_models=hostable)
+                if leases.lease_session(conn, s, me, only_if_unleased=True)
+            ] + [
+                s
+                for s in leases.orphaned_sessions(conn, ttl, base_models=hostable)
+                if leases.lease_session(conn, s, me, only_if_unleased=False)
+            ]
+            mine = leases.sessions_leased_to(conn, me)
+            stalled = operations.stale_pending(conn, mine, STALL_SECONDS)
+            expired = checkpoints.reap_expired(conn)
+            recorded_samples.purge_expired(conn)
+            idle = self.config.session_idle_seconds
+            failed = [
+                request_id
+                for session_id in (sessions_core.expire_idle(conn, idle) if idle > 0 else [])
+                for request_id in cancellation.fail_pending(
+                    conn,
+                    session_id,
+                    sessions_core.expired_message(session_id, idle),
+                    code="session_expired",
+                )
+            ]
+        for request_id in failed:
+            notify.publish_done(self.host.redis, request_id)
+        self.interrupt_if_stopped()
+        self.host.forget_all_but(set(mine))
+        for checkpoint in expired:
+            self.host.store.delete_prefix(checkpoint.storage_prefix + "/")
+            log.info("deleted expired checkpoint %s", checkpoint.path)
+        with self._lock:
+            for session_id in mine:
+                if session_id not in self.consuming:
+                    routing.start_consuming(self.app, me, session_id)
+                    self.consuming.add(session_id)
+            for session_id in self.consuming - set(mine):
+                routing.stop_consuming(self.app, me, session_id)
+                self.consuming.discard(session_id)
+        # A session that just came here is rebuilt at once, not when its next operation comes.
+        woken = set(mine if self._first else claimed)
+        self._first = False
+        for session_id in woken:
+            routing.wake(self.app, session_id, None)
+        for session_id, request_id in stalled:
+            if session_id not in woken:
+                routing.wake(self.app, session_id, request_id)
+                woken.add(session_id)
+
+    def interrupt_if_stopped(self) -> None:
+        """Stop the running operation (or each sample of the running batch) at its next step
+        if its session was stopped meanwhile."""
+        op = self.host.running()
+        for running in ([] if op is None else [op]) + self.host.running_samples():
+            with self.host.db.connect() as conn:
+                session = sessions_core.get_session(conn, None, running.session_id)
+                current = operations.get_operation(conn, None, running.request_id)
+            if not session.is_active or current.is_done:
+                self.host.cancel(
+                    running.request_id,
+                    f"{running.type} was cancelled: model {running.session_id} was stopped",
+                )
+
+    def hand_off(self, session_id: str, request_id: str | None) -> None:
+        """A wake-up for a session this worker no longer holds: stop consuming its queue now
+        and send the wake-up on, so the holder gets it."""
+        with self._lock:
+            if session_id in self.consuming:
+                routing.stop_consuming(self.app, self.host.worker_id, session_id)
+                self.consuming.discard(session_id)
+        routing.wake(self.app, session_id, request_id)

@@ -1,0 +1,293 @@
+"""The host's continuous sample batch: samples of this worker's sessions decoded together.
+
+A sample's wake-up starts a batch on its base model (`SampleBatches.run`): the samples that
+arrive right after it are gathered before its first step (`SAMPLE_GATHER_*`), more join between
+decoding steps while the batch is young (`SAMPLE_JOIN_WINDOW_SECONDS`), each leaves as soon as it
+is done and is settled at once. Each sample runs under its own interrupt (`running.Running`), so
+cancelling one stops only it; the streams of those streamed to their clients are written after
+every step (`streaming`). Imports platform and the engine; never api.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+import redis
+import sqlalchemy as sa
+
+from treadle.engine.engine import SampleBatch, SampleRequest, SampleResult
+from treadle.engine.sampling.decode import Key
+from treadle.platform.config import PlatformConfig
+from treadle.platform.eventlog import events, progress
+from treadle.platform.eventlog.optypes import OpType, Payload, Sample, parse_payload
+from treadle.platform.operations import operations
+from treadle.platform.sessions import leases
+from treadle.platform.sessions import sessions as sessions_core
+from treadle.platform.sessions.sessions import SessionRow
+from treadle.worker import handlers, streaming
+from treadle.worker.running import Running, WorkerClosing, error_of
+
+__all__ = ["SAMPLE_BATCH_LIMIT", "BatchHost", "SampleBatches"]
+
+log = logging.getLogger(__name__)
+
+# The most sample operations decoding together in one engine batch.
+SAMPLE_BATCH_LIMIT = 32
+# Samples arriving while a batch runs join it between decoding steps during its first seconds
+# only, so that a stream of samples never starves the training operations queued behind it;
+# the database is asked for them at most this often.
+SAMPLE_JOIN_WINDOW_SECONDS = 2.0
+SAMPLE_LOOK_INTERVAL_SECONDS = 0.02
+# A batch gathers the samples that arrive right after its first before its first step: it
+# starts once none has come for SAMPLE_GATHER_QUIET_SECONDS (looking every
+# SAMPLE_GATHER_LOOK_SECONDS), at the latest SAMPLE_GATHER_MAX_SECONDS after the first.
+# Requests sent together reach the worker milliseconds apart: each is admitted on its own, and
+# those of one session one after another (each append locks the session's row), 10-15 ms apart
+# for 16 requests on one sampler here. On a CPU a decoding step of one row costs nearly what one
+# of sixteen does: a batch that started with the first alone decoded it alone for a tenth of a
+# second or more, steps every later request then added at its end; a lone sample pays the quiet
+# period (docs/benchmarks.md, "Sampling").
+SAMPLE_GATHER_QUIET_SECONDS = 0.04
+SAMPLE_GATHER_LOOK_SECONDS = 0.01
+SAMPLE_GATHER_MAX_SECONDS = 0.3
+
+
+@dataclasses.dataclass
+class _Sampling:
+    """A sample operation in the running batch."""
+
+    session: SessionRow
+    op: operations.OperationRow
+    payload: Sample
+    run: Running
+    started: float
+
+
+class BatchHost(Protocol):
+    """What a sample batch needs of the session host (`host.SessionHost`)."""
+
+    db: sa.Engine
+    redis: redis.Redis
+    engine: Any
+    config: PlatformConfig
+    worker_id: str
+    closing: threading.Event
+
+    def lock(self, session_id: str) -> threading.Lock: ...
+
+    def call(self, session: SessionRow, op: operations.OperationRow) -> handlers.Call: ...
+
+    def settle(
+        self,
+        session: SessionRow,
+        op: operations.OperationRow,
+        outcome: handlers.Outcome | None,
+        error: dict[str, Any] | None,
+        state: dict[str, str] | None,
+        seconds: float,
+        started_at: float,
+    ) -> operations.Settlement | None: ...
+
+    def ensure_snapshot(self, session: SessionRow, snapshot_id: str) -> None: ...
+
+    def closing_interrupt(self) -> None: ...
+
+
+class SampleBatches:
+    """The host's sample batches, one running at a time (the Celery pool runs one task)."""
+
+    def __init__(self, host: BatchHost) -> None:
+        self.host = host
+        self.running: dict[str, Running] = {}  # request id -> each sample of the running batch
+
+    def running_ops(self) -> list[operations.OperationRow]:
+        """The sample operations of the batch running now (empty when none)."""
+        return [run.op for run in list(self.running.values())]
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """Stop the sample `request_id` at its next decoding step, if it is in the batch."""
+        if (sampling := self.running.get(request_id)) is not None:
+            sampling.cancelled = reason
+
+    def run(self, session: SessionRow, first: operations.OperationRow, payload: Payload) -> None:
+        """Run `first` (its request's `payload`) in one continuous batch with the samples
+        waiting on this worker's sessions; more join between decoding steps while the batch is
+        young, and each is settled as soon as it finishes (called holding `session`'s lock)."""
+        assert isinstance(payload, Sample)
+        if payload.snapshot_id and not payload.checkpoint_prefix:
+            self.host.ensure_snapshot(session, payload.snapshot_id)
+        batch = self.host.engine.open_batch(session.base_model)
+        streams = streaming.Streams(self.host.redis)  # the requests streamed to their clients
+        admitted: dict[str, _Sampling] = {}
+        with contextlib.ExitStack() as locks:
+            try:
+                gathered = self._gather(session, (session, first, payload), locks)
+                self._admit(batch, gathered, admitted, streams)
+                started = looked = time.monotonic()
+                while True:
+                    now = time.monotonic()
+                    if now - started < SAMPLE_JOIN_WINDOW_SECONDS and (
+                        now - looked >= SAMPLE_LOOK_INTERVAL_SECONDS or not len(batch)
+                    ):
+                        room = SAMPLE_BATCH_LIMIT - len(batch)
+                        joining = self._waiting_samples(session, set(admitted), locks, room)
+                        self._admit(batch, joining, admitted, streams)
+                        looked = now
+                    if not len(batch):
+                        return
+                    try:
+                        finished = batch.step(self.host.closing_interrupt)
+                    except WorkerClosing:
+                        raise  # what was cut short stays pending for the next holder
+                    except Exception as exc:  # the engine failed: every sample in it fails
+                        log.exception("%s: a sample batch failed", self.host.worker_id)
+                        finished = [(request_id, exc) for request_id in admitted]
+                        self._finish(finished, admitted)
+                        return
+                    for request_id in streams.after_step(batch, finished):
+                        self.cancel(request_id, progress.CANCELLED_MESSAGE)  # at the next step
+                    self._finish(finished, admitted)
+            finally:
+                self.running = {}
+
+    def _gather(
+        self,
+        session: SessionRow,
+        first: tuple[SessionRow, operations.OperationRow, Sample],
+        locks: contextlib.ExitStack,
+    ) -> list[tuple[SessionRow, operations.OperationRow, Sample]]:
+        """`first` and the samples that arrive right after it (see SAMPLE_GATHER_*)."""
+        gathered = [first]
+        started = last = time.monotonic()
+        while len(gathered) < SAMPLE_BATCH_LIMIT and not self.host.closing.is_set():
+            now = time.monotonic()
+            if (
+                now - last >= SAMPLE_GATHER_QUIET_SECONDS
+                or now - started >= SAMPLE_GATHER_MAX_SECONDS
+            ):
+                break
+            time.sleep(SAMPLE_GATHER_LOOK_SECONDS)
+            taken = {op.request_id for _, op, _ in gathered}
+            room = SAMPLE_BATCH_LIMIT - len(gathered)
+            if more := self._waiting_samples(session, taken, locks, room):
+                gathered += more
+                last = time.monotonic()
+        return gathered
+
+    def _admit(
+        self,
+        batch: SampleBatch,
+        samples: list[tuple[SessionRow, operations.OperationRow, Sample]],
+        admitted: dict[str, _Sampling],
+        streams: streaming.Streams,
+    ) -> None:
+        """Let `samples` join `batch`; those that fail before reaching it, or finish at once,
+        are settled now."""
+        requests: list[tuple[Key, SampleRequest]] = []
+        failed: list[tuple[Key, SampleResult | Exception]] = []
+        for session, op, payload in samples:
+            run = Running(self.host.closing, op, self.host.config.op_time_limit_seconds)
+            admitted[op.request_id] = _Sampling(session, op, payload, run, time.perf_counter())
+            self.running[op.request_id] = run
+            call = dataclasses.replace(self.host.call(session, op), interrupt=run.check)
+            try:
+                requests.append((op.request_id, handlers.sample_request(call, payload)))
+            except Exception as exc:  # e.g. a checkpoint sampler whose files are gone
+                failed.append((op.request_id, exc))
+        if requests:
+            log.info(
+                "%s: %d samples join a batch of %d", self.host.worker_id, len(requests), len(batch)
+            )
+        joining = [(op.request_id, payload.num_samples) for _, op, payload in samples]
+        for request_id in streams.join(joining):  # cancelled before it ran: stops at its 1st step
+            self.cancel(request_id, progress.CANCELLED_MESSAGE)
+        finished = failed + batch.add(requests)
+        for request_id in streams.after_step(batch, finished):
+            self.cancel(request_id, progress.CANCELLED_MESSAGE)
+        self._finish(finished, admitted)
+
+    def _finish(
+        self, finished: list[tuple[Key, SampleResult | Exception]], admitted: dict[str, _Sampling]
+    ) -> None:
+        """Settle each finished sample with its result or its error."""
+        for key, out in finished:
+            if isinstance(out, WorkerClosing):
+                raise out  # it stays pending for the next holder
+            sampling = admitted.pop(str(key))
+            self.running.pop(sampling.op.request_id, None)
+            outcome, error = None, None
+            failed = f"{sampling.session.id}: sample seq {sampling.op.seq_id} failed"
+            try:
+                if isinstance(out, Exception):
+                    raise out
+                outcome = handlers.sample_outcome(sampling.payload, out)
+            except Exception as exc:
+                error = error_of(exc, failed)
+            seconds = time.perf_counter() - sampling.started
+            started_at = time.time() - seconds  # when it joined its batch, read before settling
+            self.host.settle(
+                sampling.session, sampling.op, outcome, error, None, seconds, started_at
+            )
+
+    def _waiting_samples(
+        self,
+        session: SessionRow,
+        admitted: set[str],
+        locks: contextlib.ExitStack,
+        limit: int,
+    ) -> list[tuple[SessionRow, operations.OperationRow, Sample]]:
+        """Up to `limit` other pending samples of this worker's active sessions on the same base
+        model, whose weights are ready (a sampler snapshot still to be rebuilt waits for its own
+        wake-up); takes the lock of each other session it includes (skipping a busy one)."""
+        found: list[tuple[SessionRow, operations.OperationRow, Sample]] = []
+        if limit <= 0:
+            return found
+        with self.host.db.connect() as conn:
+            mine = leases.sessions_leased_to(conn, self.host.worker_id)
+            pending = operations.stale_pending(conn, mine, 0.0)
+            sessions: dict[str, SessionRow | None] = {session.id: session}
+            for other_session, other_request in pending:
+                if len(found) >= limit:
+                    break
+                if other_request in admitted:
+                    continue
+                if other_session not in sessions:
+                    sessions[other_session] = self._joinable(conn, other_session, locks)
+                s = sessions[other_session]
+                if s is None or s.base_model != session.base_model:
+                    continue
+                op = operations.get_operation(conn, None, other_request)
+                if op.sampler_id is None or op.is_done or op.type != OpType.SAMPLE:
+                    continue  # not a sample (a loadWeightsForSampling runs on its own wake-up)
+                payload = parse_payload(
+                    op.type, events.read_at(conn, op.request_position).data["payload"]
+                )
+                assert isinstance(payload, Sample)
+                snap = payload.snapshot_id
+                if (
+                    snap
+                    and not payload.checkpoint_prefix
+                    and not self.host.engine.has_snapshot(snap)
+                ):
+                    continue
+                found.append((s, op, payload))
+        return found
+
+    def _joinable(
+        self, conn: sa.Connection, session_id: str, locks: contextlib.ExitStack
+    ) -> SessionRow | None:
+        """The session, locked for the rest of the batch, if this worker holds it, it is
+        active and no other thread is busy with it."""
+        s = sessions_core.get_session(conn, None, session_id)
+        if s.worker_id != self.host.worker_id or not s.is_active:
+            return None
+        lock = self.host.lock(session_id)
+        if not lock.acquire(blocking=False):
+            return None
+        locks.callback(lock.release)
+        return s
