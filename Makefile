@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo test test-integration check bench install prometheus clean
+.PHONY: demo test test-fast test-integration check bench install prometheus clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -50,13 +50,18 @@ demo: $(STAMP)
 test: $(STAMP) prometheus
 	$(PYTEST)
 
+# The fast tier: the platform's, the API's, the client's and the recipes' units, which build no
+# model (the engine's and the worker's units, and every other tier, are `make test`'s).
+test-fast: $(STAMP)
+	$(PYTEST) tests/unit/platform tests/unit/api tests/unit/client tests/unit/recipes
+
 test-integration: $(STAMP) prometheus
 	$(PYTEST) -m integration
 
 check: $(STAMP)
 	$(VENV)/bin/ruff format --check treadle tests migrations benchmarks
 	$(VENV)/bin/ruff check treadle tests migrations benchmarks
-	$(VENV)/bin/mypy treadle/client treadle/platform treadle/api
+	$(VENV)/bin/mypy treadle/client treadle/platform treadle/api treadle/engine treadle/worker
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from treadle.engine.engine import (  # noqa: E402
+from treadle.engine import (  # noqa: E402
     AdamSpec,
     Engine,
     EngineDatum,

@@ -124,7 +124,7 @@ def cpu_by_role(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
 
 def in_process(ops: int, warmup: int) -> tuple[float, float, float]:
     """The same forward on the worker's engine, in this process (CPU, or CUDA when present)."""
-    from treadle.engine.engine import Engine
+    from treadle.engine import Engine
     from treadle.engine.lora.adapters import LoraSpec
     from treadle.engine.losses.functions import EngineDatum
     from treadle.platform.config import DEFAULT_CACHE_DIR

@@ -5,7 +5,7 @@ rank holds (the sharded layout splits every decoder layer across the ranks and g
 each pass: its collectives are inside the passes' time).
 
 Each world size runs the same requests (8 sequences, 4 parts) through the engine, rank 0 driving
-the others through a GroupEngine as a worker does; ranks are processes with torchrun's
+the others through a GroupExecutor as a worker does; ranks are processes with torchrun's
 environment, gloo on the CPU, NCCL on CUDA. The final adapter hash is printed per world size:
 the runs are the same bit for bit. On a 2-core CPU this shows the cost of the machinery, not a
 speed-up (two ranks share the two cores).
@@ -34,9 +34,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from treadle.engine import AdamSpec, Engine, EngineDatum, LoraSpec  # noqa: E402
 from treadle.engine.distributed import group as worker_group  # noqa: E402
-from treadle.engine.distributed.executor import GroupEngine, follow  # noqa: E402
-from treadle.engine.engine import AdamSpec, Engine, EngineDatum, LoraSpec  # noqa: E402
+from treadle.engine.distributed.executor import GroupExecutor, follow  # noqa: E402
 from treadle.platform.embedded import free_port  # noqa: E402
 from treadle.platform.models.catalog import SMOLLM2_NAME  # noqa: E402
 
@@ -83,7 +83,7 @@ def run(engine: object, model: str, steps: int) -> dict[str, object]:
 
 def base_bytes(engine: object, model: str) -> int:
     """Bytes of `model`'s weights this rank holds (its shards only, in the sharded layout)."""
-    inner = getattr(engine, "engine", engine)  # a GroupEngine's own engine
+    inner = getattr(engine, "engine", engine)  # a GroupExecutor's own engine
     total = 0
     for p in inner._bases[model].model.parameters():  # type: ignore[attr-defined]
         local = p.to_local() if hasattr(p, "to_local") else p
@@ -94,10 +94,10 @@ def base_bytes(engine: object, model: str) -> int:
 def rank_main(args: argparse.Namespace) -> None:
     group = worker_group.init_from_env(timeout_seconds=600, device=args.device, layout=args.layout)
     engine = Engine(
-        cache_dir=args.cache_dir, device=args.device, group=group, microbatch_tokens=PART_TOKENS
+        cache_dir=args.cache_dir, device=args.device, parallel=group, microbatch_tokens=PART_TOKENS
     )
     if group.is_leader:
-        leader = GroupEngine(engine, group)
+        leader = GroupExecutor(engine, group)
         try:
             result = run(leader, args.model, args.steps)
         finally:

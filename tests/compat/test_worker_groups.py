@@ -30,7 +30,7 @@ from tinker import types
 from tests.fault.conftest import Up, start_up, wait_for
 from tests.unit.engine_support import shared_cache_dir
 from treadle.client.admin import AdminClient
-from treadle.engine.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
+from treadle.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
 from treadle.platform.eventlog.schema import operations, usage
 from treadle.platform.models.catalog import TINY_DEBUG_NAME
 

@@ -30,7 +30,7 @@ from tests.conftest import Platform
 from tests.databases import private_database
 from tests.integration.wire_client import datum
 from treadle.client.admin import AdminClient
-from treadle.engine.engine import Engine
+from treadle.engine import Engine
 from treadle.platform import db
 from treadle.platform.audit import lineage
 from treadle.platform.checkpoints import storage

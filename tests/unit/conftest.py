@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from engine_support import shared_cache_dir
 
-from treadle.engine.engine import Engine
+from treadle.engine import Engine
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from treadle.engine.engine import AdamSpec, Engine, EngineDatum, LoraSpec  # noqa: E402
+from treadle.engine import AdamSpec, Engine, EngineDatum, LoraSpec  # noqa: E402
 from treadle.engine.models import loading as models  # noqa: E402
 from treadle.platform.models.catalog import TINY_DEBUG_NAME  # noqa: E402
 from treadle.platform.models.tokenizers import load_tokenizer  # noqa: E402

@@ -1,7 +1,7 @@
 """One fixed training loop run on an engine, at any world size and layout: what tests/unit/
 test_worker_group.py compares. Run as a module, it is one rank of a worker group (torchrun's
 environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; GROUP_LOOP_LAYOUT replicated or
-sharded): rank 0 drives the loop through a `GroupEngine` and writes the result as JSON, the
+sharded): rank 0 drives the loop through a `GroupExecutor` and writes the result as JSON, the
 others follow.
 
     python -m tests.unit.group_loop CACHE_DIR OUT.json [save|load FOLDER]
@@ -20,7 +20,7 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from treadle.engine.engine import (  # noqa: E402
+from treadle.engine import (  # noqa: E402
     AdamSpec,
     Engine,
     EngineDatum,
@@ -137,14 +137,16 @@ def broken_sampling(engine: Any) -> dict[str, Any]:
 
 
 def main() -> None:
+    from treadle.engine import GroupExecutor, follow
     from treadle.engine.distributed import group as worker_group
-    from treadle.engine.distributed.executor import GroupEngine, follow
 
     cache_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     mode, folder = (sys.argv[3], Path(sys.argv[4])) if len(sys.argv) > 4 else ("", None)
     layout = os.environ.get("GROUP_LOOP_LAYOUT", "replicated")
     g = worker_group.init_from_env(timeout_seconds=120, device="cpu", layout=layout)
-    engine = Engine(cache_dir=cache_dir, device="cpu", group=g, microbatch_tokens=MICROBATCH_TOKENS)
+    engine = Engine(
+        cache_dir=cache_dir, device="cpu", parallel=g, microbatch_tokens=MICROBATCH_TOKENS
+    )
     if g.rank == 1 and os.environ.get("GROUP_LOOP_DRIFT"):  # a rank whose steps go elsewhere
         step = engine.optim_step
         engine.optim_step = lambda adapter_id, adam: step(  # type: ignore[method-assign]
@@ -158,7 +160,7 @@ def main() -> None:
 
         engine.open_batch = cannot_open  # type: ignore[method-assign]
     if g.is_leader:
-        leader = GroupEngine(engine, g)
+        leader = GroupExecutor(engine, g)
         try:
             if broken:
                 result = broken_sampling(leader)

@@ -28,7 +28,17 @@ FORBIDDEN = {
     ),
     "platform": ("treadle.api", "treadle.engine", "treadle.worker", "flask", "torch"),
     "api": ("torch", "treadle.engine", "treadle.worker", "transformers", "peft"),
-    "engine": ("treadle.api", "treadle.worker", "flask"),
+    # Compute only: no process, no service (rule 1 of docs/design.md's engine; its platform
+    # imports are ENGINE_PLATFORM's).
+    "engine": (
+        "treadle.api",
+        "treadle.worker",
+        "flask",
+        "sqlalchemy",
+        "celery",
+        "redis",
+        "prometheus_client",
+    ),
     "worker": ("treadle.api", "flask"),
     # Recipes are user code: the SDKs and their own modules. Only --embedded reaches for the
     # platform (treadle.platform.embedded.free_port, to start `treadle up`).
@@ -205,13 +215,150 @@ def test_api_surfaces_import_no_other_surface() -> None:
     assert violations == []
 
 
-def _imports(path: Path) -> set[str]:
+# treadle/engine: what it may take from the platform (errors, config, the model catalogue, loss
+# specs, tokenizers, validation limits), and its rooms in layers: each unit imports only those
+# its row names (and itself). `treadle.engine` itself (its __init__) is the facade the worker
+# imports and may import any room.
+ENGINE_PLATFORM = {
+    "treadle.platform.errors",
+    "treadle.platform.config",
+    "treadle.platform.models.catalog",
+    "treadle.platform.models.losses",
+    "treadle.platform.models.tokenizers",
+    "treadle.platform.models.validation",
+}
+_BELOW_PROTOCOL = {"models", "memory", "optim", "lora", "losses", "sampling"}
+ENGINE_LAYERS: dict[str, set[str]] = {
+    "models": set(),
+    "memory": set(),
+    "optim": set(),
+    "lora": {"models", "memory", "optim"},
+    "losses": {"models", "memory", "lora"},
+    "sampling": {"models", "memory", "lora", "losses"},
+    "protocol": {"lora", "losses", "optim", "sampling"},  # the interfaces and value types
+    "distributed.group": {"protocol"},  # a Parallelism: ranks, collectives, sharding
+    "training": _BELOW_PROTOCOL | {"protocol"},  # spread by a Parallelism, never the group
+    "engine": _BELOW_PROTOCOL | {"protocol", "training"},
+    "distributed.decoding": {"sampling", "distributed.group"},
+    "distributed.executor": _BELOW_PROTOCOL
+    | {"protocol", "engine", "distributed.group", "distributed.decoding"},
+}
+
+
+def _engine_unit(module: str) -> str | None:
+    """The row of ENGINE_LAYERS `module` belongs to (None: not in treadle.engine, or its
+    facade); "distributed" alone (the subpackage's __init__) belongs to no row."""
+    if not module.startswith("treadle.engine."):
+        return None
+    rest = module.removeprefix("treadle.engine.")
+    for unit in sorted(ENGINE_LAYERS, key=len, reverse=True):
+        if rest == unit or rest.startswith(unit + "."):
+            return unit
+    return rest
+
+
+def engine_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import inside treadle.engine that its layer table does not allow."""
+    violations = []
+    for module, imported in sorted(graph.items()):
+        mine = _engine_unit(module)
+        if mine is None:
+            continue
+        allowed = ENGINE_LAYERS.get(mine, set()) | {mine}
+        for name in sorted(imported):
+            theirs = _engine_unit(name)
+            if name == "treadle.engine" or (theirs is not None and theirs not in allowed):
+                violations.append(f"{module} imports {name}")
+    return violations
+
+
+def test_engine_rooms_are_the_layer_table() -> None:
+    """Every module of treadle/engine sits in a row of ENGINE_LAYERS (or is the facade or a
+    subpackage's __init__)."""
+    rooms = {_engine_unit(m) for m in import_graph() if m.startswith("treadle.engine.")}
+    assert rooms - {"distributed"} == set(ENGINE_LAYERS)
+
+
+def test_engine_rooms_import_only_the_layers_below_them() -> None:
+    assert engine_layer_violations(import_graph()) == []
+
+
+def test_a_room_importing_above_its_layer_is_found() -> None:
+    """The check itself: the LoRA room importing the training bodies, and any room importing
+    the facade, are reported; the same imports reversed are not."""
+    graph = {
+        "treadle.engine.lora.adapters": {"treadle.engine.training"},
+        "treadle.engine.models.loading": {"treadle.engine"},
+        "treadle.engine.training": {"treadle.engine.lora.adapters"},
+    }
+    assert engine_layer_violations(graph) == [
+        "treadle.engine.lora.adapters imports treadle.engine.training",
+        "treadle.engine.models.loading imports treadle.engine",
+    ]
+
+
+def test_engine_takes_from_the_platform_only_what_it_needs() -> None:
+    taken = {
+        f"{module} imports {name}"
+        for module, imported in import_graph().items()
+        if module.startswith("treadle.engine")
+        for name in imported
+        if name.startswith("treadle.platform") and name not in ENGINE_PLATFORM
+        and name != "treadle.platform.models"  # `from treadle.platform.models import x`
+    }  # fmt: skip
+    assert sorted(taken) == []
+
+
+def test_the_worker_reaches_the_engine_only_through_its_facade() -> None:
+    """treadle.worker imports `treadle.engine` (its __init__), never a room of it."""
+    violations = [
+        f"{module} imports {name}"
+        for module, imported in sorted(import_graph().items())
+        if module.startswith("treadle.worker")
+        for name in sorted(imported)
+        if name.startswith("treadle.engine.")
+    ]
+    assert violations == []
+
+
+def test_only_the_engines_distributed_room_imports_torch_distributed() -> None:
+    violations = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted(ROOT.rglob("*.py"))
+        if not path.is_relative_to(ROOT / "engine" / "distributed")
+        for name in _imports(path, with_names=True)
+        if name == "torch.distributed" or name.startswith("torch.distributed.")
+    ]
+    assert violations == []
+
+
+def test_the_worker_never_asks_which_engine_it_holds() -> None:
+    """No isinstance or type() test against an engine class in treadle/worker: the single
+    process's engine and a group's executor are both an `EngineAPI`."""
+    classes = {"Engine", "GroupExecutor", "Group"}
+    asked = []
+    for path in sorted((ROOT / "worker").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in {
+                "isinstance", "type", "issubclass"
+            }:  # fmt: skip
+                named = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                named |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+                if named & classes:
+                    asked.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert asked == []
+
+
+def _imports(path: Path, *, with_names: bool = False) -> set[str]:
+    """The absolute imports of `path`; `with_names`: `from a import b` names `a.b` too."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            if with_names:
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
 

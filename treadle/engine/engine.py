@@ -6,7 +6,10 @@ dropped (`paging`): at most `max_resident_adapters` on the accelerator, at most
 `max_loaded_adapters` in memory at all, the rest in spill files on local disk; snapshots the same
 way, at most `max_loaded_snapshots` in memory (`snapshots`).
 Knows token ids, not HTTP or databases: a prepared batch goes in, one result or one error comes
-out. Losses live in `losses`, the decode loop in `batching`, the LoRA mechanics in `lora`.
+out. It satisfies `protocol.EngineAPI` for one process; a worker group's rank 0 wraps it in
+`distributed.executor.GroupExecutor`, and the group is applied to its compute as its
+`parallel`. The training bodies live in `training`, losses in `losses/`, the decode loop in
+`sampling/decode`, the LoRA mechanics in `lora/`, paging in `memory/`.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -19,38 +22,41 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from treadle.engine.distributed.group import Group, Part, shard_layers
+import treadle.engine.training as training
 from treadle.engine.lora import files as adapter_files
-from treadle.engine.lora.adapters import AdamSpec, LoraHost, LoraSpec, TrainableLora
+from treadle.engine.lora.adapters import LoraHost, LoraSpec, TrainableLora
 from treadle.engine.lora.snapshots import Snapshot, Snapshots
-from treadle.engine.losses.chunked_logprobs import wants_checkpointing
 from treadle.engine.losses.functions import (
-    MICROBATCH_LOGITS,
     EngineDatum,
-    LossFn,
-    batch_loss,
     get_loss,
-    microbatches,
-    padded_tokens,
     validate_data,
 )
 from treadle.engine.memory import fingerprint
-from treadle.engine.memory.heap import release_excess
+from treadle.engine.memory.capacity import device_memory_in_use
 from treadle.engine.memory.paging import Paging
 from treadle.engine.models.loading import load_base_model
 from treadle.engine.models.threads import threads_for
+from treadle.engine.optim import AdamSpec
+from treadle.engine.protocol import (
+    ALONE,
+    STATE_PARTS,
+    ForwardBackwardResult,
+    Interrupt,
+    Parallelism,
+    Topology,
+)
 from treadle.engine.sampling import decode as batching
 from treadle.engine.sampling import rules as sampler
 from treadle.engine.sampling.decode import SampleJob, SampleRequest
 from treadle.engine.sampling.rules import (
     PromptScoring,
     PromptTargets,
-    SampledSequence,
     SampleResult,
     SamplingSpec,
 )
+from treadle.engine.training import Base
 from treadle.platform.errors import (
     ConflictError,
     NotFoundError,
@@ -61,43 +67,7 @@ from treadle.platform.models.catalog import BaseModelInfo, get_base_model
 from treadle.platform.models.losses import resolve_config
 from treadle.platform.models.tokenizers import load_tokenizer, tokenizer_files
 
-__all__ = [
-    "AdamSpec",
-    "Engine",
-    "EngineDatum",
-    "ForwardBackwardResult",
-    "LoraSpec",
-    "PromptTargets",
-    "SampleBatch",
-    "SampleRequest",
-    "SampleResult",
-    "SampledSequence",
-    "SamplingSpec",
-    "STATE_PARTS",
-]
-
-# An AdamW step's work per adapter parameter, in `cpu_threads`' multiply-adds (a dozen
-# elementwise operations, each reading and writing the parameter's state).
-OPTIMIZER_WORK_PER_PARAMETER = 16
-# The parts of an adapter's state `state_hashes` can fingerprint.
-STATE_PARTS = ("weights", "grads", "optimizer")
-Interrupt = Callable[[], None]  # raises to stop a long call at its next step boundary
-
-
-@dataclass
-class ForwardBackwardResult:
-    outputs: list[dict[str, np.ndarray]]  # per datum: logprobs, elementwise_loss; float32 [T_i]
-    metrics: dict[str, float]  # "loss:sum"
-    train_tokens: int
-
-
-@dataclass
-class _Base:
-    info: BaseModelInfo
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    host: LoraHost
-    parameters: int  # multiply-adds a token costs in a forward pass, roughly (`cpu_threads`)
+__all__ = ["Engine", "SampleBatch"]
 
 
 @dataclass
@@ -137,17 +107,17 @@ class Engine:
         pack_cpu_weights: bool = True,
         activation_checkpointing: bool | None = None,
         models: Callable[[str], BaseModelInfo] = get_base_model,
-        group: Group | None = None,
+        parallel: Parallelism = ALONE,
         microbatch_tokens: int | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         # A base model's registry entry by name (the worker's `ModelRegistry.get`; the built-ins
         # alone by default).
         self.models = models
-        # The worker group this engine is a rank of (None: a process of its own); its
-        # forward_backward computes its share of the parts and gets the others' (`group`), and
-        # in the sharded layout its base models' decoder layers are split across the ranks.
-        self.group = group
+        # How the compute is spread (`protocol.Parallelism`): `ALONE`, or the worker group this
+        # engine is a rank of, whose forward_backward computes its share of the parts and gets
+        # the others', and whose sharded layout splits base models' decoder layers.
+        self.parallel = parallel
         # Padded tokens per part of a forward_backward (None: `losses.MICROBATCH_TOKENS`): one
         # pass's size, and the grain a worker group splits a request at.
         self.microbatch_tokens = microbatch_tokens
@@ -160,7 +130,7 @@ class Engine:
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.max_resident_adapters = max_resident_adapters
         self.max_loaded_adapters = max_loaded_adapters
-        self._bases: dict[str, _Base] = {}
+        self._bases: dict[str, Base] = {}
         self._adapters: dict[str, _Adapter] = {}
         self._paging = Paging(
             lambda adapter_id: self._adapters[adapter_id].lora,
@@ -302,11 +272,10 @@ class Engine:
         interrupt: Interrupt | None = None,
     ) -> ForwardBackwardResult:
         """Per-datum target logprobs and losses; unless `forward_only`, add the gradient of the
-        summed loss to the adapter's accumulated grads. The request runs in parts (`microbatches`),
-        split the same way at every world size; in a worker group each rank computes its share
-        and gets the others' (`group`), and the parts' grads are added in their order, so the
-        result is the same bit for bit at every world size. `interrupt` is called between
-        parts: what it raises ends the call with no gradient added."""
+        summed loss to the adapter's accumulated grads. The request runs in parts, spread by the
+        engine's `parallel` and added in their order, so the result is the same bit for bit at
+        every world size (`training.forward_backward`). `interrupt` is called between parts:
+        what it raises ends the call with no gradient added."""
         loss = get_loss(loss_fn)
         config = resolve_config(loss.spec, loss_fn_config)
         with self._lock:
@@ -319,76 +288,27 @@ class Engine:
                 max_context_length=base.info.max_context_length,
                 config=config,
             )
-            vocab_size = base.model.config.vocab_size
-            chunks = microbatches(arrays, vocab_size, max_tokens=self.microbatch_tokens)
-            tokens_P = [padded_tokens(chunk) for chunk in chunks]
-            passes = (
-                self.group.passes(tokens_P)
-                if self.group
-                else [(p, True) for p in range(len(chunks))]
+            outputs, total = training.forward_backward(
+                base,
+                adapter.lora,
+                arrays,
+                loss,
+                config,
+                parallel=self.parallel,
+                device=self.device,
+                microbatch_tokens=self.microbatch_tokens,
+                checkpointing=self.activation_checkpointing,
+                forward_only=forward_only,
+                interrupt=interrupt,
             )
-            tokens = sum(tokens_P[p] for p, _ in passes)
-            checkpoint = self.activation_checkpointing
-            if checkpoint is None and self.group and self.group.sharded:
-                # one choice for every pass of every rank: a checkpointed layer gathers its
-                # weights again in the backward, and the ranks' gathers must pair up
-                checkpoint = not forward_only and wants_checkpointing(base.model, max(tokens_P))
-            params = adapter.lora.weights.parameters()
-            parts: dict[int, Part] = {}
-            with base.host.use(adapter.lora.weights), torch.set_grad_enabled(not forward_only):
-                for p, kept in passes:
-                    if interrupt is not None:
-                        interrupt()
-                    # per part, so a part runs on the same threads wherever it runs
-                    work = tokens_P[p] * base.parameters * (1 if forward_only else 3)
-                    with threads_for(work, self.device):
-                        part = self._part(
-                            base, chunks[p], loss, config, params, forward_only, checkpoint
-                        )
-                    if kept:  # else a sharded group's extra pass, run so the ranks' match
-                        parts[p] = part
-            every = self.group.exchange(parts, len(chunks)) if self.group else list(parts.values())
-            outputs: list[dict[str, np.ndarray]] = []
-            total = 0.0
-            for part in every:  # in order: the sums one process makes, at every world size
-                outputs.extend(part.outputs)
-                total += part.loss
-                if part.grads is not None:
-                    _accumulate(params, part.grads)
-            if tokens * vocab_size >= MICROBATCH_LOGITS // 4:
-                # The passes' activations went back to the C heap, which keeps their pages for
-                # the next pass up to a limit (`heap`); a small call frees too little to look.
-                release_excess()
         train_tokens = sum(len(a["tokens"]) for a in arrays)
         return ForwardBackwardResult(outputs, {"loss:sum": total}, train_tokens)
-
-    def _part(
-        self,
-        base: _Base,
-        arrays: list[dict[str, np.ndarray]],
-        loss: LossFn,
-        config: Mapping[str, float],
-        params: list[torch.Tensor],
-        forward_only: bool,
-        checkpoint: bool | None,
-    ) -> Part:
-        """One part of a forward_backward with the active adapter: its outputs, its summed loss
-        and (unless `forward_only`) its own gradient, not yet added to the accumulated grads."""
-        outputs, part_loss = batch_loss(
-            base.model, arrays, loss, config, checkpoint_layers=checkpoint
-        )
-        grads: list[torch.Tensor | None] | None = None
-        if not forward_only:  # allow_unused: a parameter no path reaches gets None
-            grads = list(torch.autograd.grad(part_loss, params, allow_unused=True))
-        return Part(outputs, float(part_loss.detach()), grads)
 
     def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]:
         """Apply the grads accumulated since the last step with AdamW(`adam`), then zero them.
         Returns `grad_norm:mean` (before clipping) and `learning_rate:mean`."""
         with self._lock:
-            lora = self._use(adapter_id).lora
-            with threads_for(OPTIMIZER_WORK_PER_PARAMETER * lora.numel(), self.device):
-                return lora.step(adam)
+            return training.optim_step(self._use(adapter_id).lora, adam, self.device)
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -456,20 +376,7 @@ class Engine:
         one batch per base model; a request's tokens and logprobs do not depend on the others.
         `interrupt` is called before each decoding step and what it raises ends the call; each
         request's own `interrupt` ends only that request, with what it raised as its result."""
-        results: dict[batching.Key, SampleResult | Exception] = {}
-        by_base: dict[str, list[tuple[int, SampleRequest]]] = {}
-        for i, request in enumerate(requests):
-            by_base.setdefault(request.base_model, []).append((i, request))
-        for base_model, keyed in by_base.items():
-            try:
-                batch = self.open_batch(base_model)
-            except (ValidationError, NotFoundError) as exc:
-                results.update((i, exc) for i, _ in keyed)
-                continue
-            results.update(batch.add(keyed))
-            while len(batch):
-                results.update(batch.step(interrupt))
-        return [results[i] for i in range(len(requests))]
+        return batching.decode_all(self.open_batch, requests, interrupt)
 
     def open_batch(self, base_model: str) -> SampleBatch:
         """A continuous batch of sample requests on `base_model` (loaded now if it is not):
@@ -554,6 +461,20 @@ class Engine:
             self.drop_snapshot(snapshot_id)
             self._snapshots.put(snapshot_id, Snapshot(None, base_model, lora.weights.frozen_copy()))
 
+    # -- the process itself (a group's executor answers for the group) -----------------------
+
+    def topology(self) -> Topology | None:
+        return None
+
+    def rank_memory(self) -> dict[int, dict[str, float]]:
+        return {0: device_memory_in_use(self.device)}
+
+    def ping(self) -> None:
+        """Nothing to check: one process."""
+
+    def close(self) -> None:
+        """Nothing to release before the process ends."""
+
     def unload(self) -> None:
         """Forget the base models (a process about to end: see `group.leave`); they load again
         when next used."""
@@ -562,22 +483,21 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _base(self, name: str) -> _Base:
+    def _base(self, name: str) -> Base:
         with self._lock:
             if name not in self._bases:
                 info = self.models(name)
-                sharded = self.group is not None and self.group.sharded
+                sharded = self.parallel.sharded
                 model, tokenizer = load_base_model(
                     info, self.cache_dir, self.device, self.dtype, on_host=sharded
                 )
                 parameters = sum(p.numel() for p in model.parameters())
                 host = LoraHost(model)
                 if sharded:
-                    assert self.group is not None
-                    shard_layers(model, self.group, self.device)
+                    self.parallel.shard(model, self.device)
                 elif self.pack_cpu_weights:
                     host.pack_for_sampling()  # a no-op off the CPU or without oneDNN
-                self._bases[name] = _Base(info, model, tokenizer, host, parameters)
+                self._bases[name] = Base(info, model, tokenizer, host, parameters)
             return self._bases[name]
 
     def _read(
@@ -617,7 +537,7 @@ class SampleBatch:
     `batching.DecodeBatch`, each holding the engine's lock, with a request that fails
     validation (or names a missing snapshot) finished at once with its error."""
 
-    def __init__(self, engine: Engine, base: _Base) -> None:
+    def __init__(self, engine: Engine, base: Base) -> None:
         self._engine = engine
         self._base_model = base.info.name
         self._parameters = base.parameters
@@ -663,20 +583,6 @@ class SampleBatch:
     def drawn(self, key: batching.Key) -> tuple[list[list[int]], list[list[float]]]:
         """See `batching.DecodeBatch.drawn` (read between steps, by the thread that steps)."""
         return self._decoding.drawn(key)
-
-
-def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Add one part's gradient to the parameters' accumulated grads, as autograd's backward
-    would have: the first becomes the grad, later ones are added in place."""
-    with torch.no_grad():
-        for param, grad in zip(params, grads, strict=True):
-            if grad is None:
-                continue
-            grad = grad.to(param.device)
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad += grad
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

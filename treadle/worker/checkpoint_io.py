@@ -16,7 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from treadle.engine.engine import Engine
+from treadle.engine import EngineAPI
 from treadle.platform.checkpoints import checkpoints
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.eventlog import events
@@ -43,7 +43,7 @@ def _download(store: ObjectStore, prefix: str, folder: Path) -> None:
 
 
 def save(
-    engine: Engine,
+    engine: EngineAPI,
     store: ObjectStore,
     session_id: str,
     tenant_id: str,
@@ -88,7 +88,7 @@ def save(
 
 
 def load(
-    engine: Engine,
+    engine: EngineAPI,
     store: ObjectStore,
     adapter_id: str,
     base_model: str,
@@ -108,7 +108,7 @@ def load(
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def write_point(engine: Engine, store: ObjectStore, adapter_id: str, prefix: str) -> int:
+def write_point(engine: EngineAPI, store: ObjectStore, adapter_id: str, prefix: str) -> int:
     """Write the adapter's exact state (weights and optimizer; it has no pending grads at a
     recovery point) under `prefix`; returns the bytes written."""
     folder = Path(tempfile.mkdtemp(prefix="treadle-point-"))
@@ -120,7 +120,7 @@ def write_point(engine: Engine, store: ObjectStore, adapter_id: str, prefix: str
 
 
 def ensure_snapshot(
-    engine: Engine, store: ObjectStore, snapshot_id: str, base_model: str, prefix: str
+    engine: EngineAPI, store: ObjectStore, snapshot_id: str, base_model: str, prefix: str
 ) -> None:
     """Make a checkpoint's adapter available to the sampler under `snapshot_id`."""
     if engine.has_snapshot(snapshot_id):

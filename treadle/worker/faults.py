@@ -58,7 +58,8 @@ def maybe_pause(
     raw = client.get(_pause_key(session_id))
     if raw is None:
         return
-    armed_type, seconds = raw.decode().split(":")
+    armed = raw.decode() if isinstance(raw, bytes) else str(raw)
+    armed_type, seconds = armed.split(":")
     if armed_type != op_type or not client.delete(_pause_key(session_id)):
         return
     log.warning("debug: %s seq %d of %s paused %s s before settling", op_type, seq_id,

@@ -21,8 +21,6 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from treadle.engine.distributed.executor import GroupEngine
-from treadle.engine.memory.capacity import device_memory_in_use
 from treadle.platform import metrics
 from treadle.platform.config import PlatformConfig
 from treadle.platform.sessions import leases
@@ -97,12 +95,9 @@ def gauge_families(host: SessionHost | None = None) -> list[Metric]:
     resident, paged = host.engine.snapshot_counts()
     snapshots.add_metric([*worker, "resident"], resident)
     snapshots.add_metric([*worker, "paged"], paged)
-    engine = host.engine
-    by_rank = {0: device_memory_in_use(engine.device)}
-    if isinstance(engine, GroupEngine):
-        by_rank = {**engine.rank_memory, **by_rank}
-        ranks.add_metric([*worker, engine.group.layout], engine.group.world_size)
-    for rank, memory in sorted(by_rank.items()):
+    if (group := host.engine.topology()) is not None:
+        ranks.add_metric([*worker, group.layout], group.world_size)
+    for rank, memory in sorted(host.engine.rank_memory().items()):
         for kind, value in memory.items():
             device.add_metric([*worker, str(rank), kind], value)
     return families

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from treadle.engine.engine import (
+from treadle.engine import (
     AdamSpec,
-    Engine,
+    EngineAPI,
     EngineDatum,
     Interrupt,
     LoraSpec,
@@ -67,7 +67,7 @@ class Outcome:
 class Call:
     """What a handler runs against: the session's adapter (or a scratch one, in a rebuild)."""
 
-    engine: Engine
+    engine: EngineAPI
     store: ObjectStore
     tenant_id: str
     session_id: str
@@ -201,13 +201,16 @@ def sample_request(call: Call, p: Sample) -> SampleRequest:
     """What the engine samples for `p` (its checkpoint's weights loaded first if needed); the
     worker batches these across sessions and turns each result into `sample_outcome`."""
     params = p.params
+    stop: tuple[str, ...] | tuple[int, ...] | None = None
+    if params.stop is not None:  # a list on the wire
+        stop = tuple(params.stop)  # type: ignore[assignment]  # all str or all int (validated)
     spec = SamplingSpec(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
         top_k=params.top_k,
         top_p=params.top_p,
         seed=params.seed,
-        stop=None if params.stop is None else tuple(params.stop),  # a list on the wire
+        stop=stop,
     )
     if p.checkpoint_prefix:
         assert p.snapshot_id is not None, "a checkpoint sampler always names its snapshot"

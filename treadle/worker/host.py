@@ -29,7 +29,7 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
-from treadle.engine.engine import Engine
+from treadle.engine import EngineAPI
 from treadle.platform import db
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.config import PlatformConfig
@@ -68,7 +68,7 @@ class SessionHost:
         *,
         db: sa.Engine,
         redis_client: redis.Redis,
-        engine: Engine,
+        engine: EngineAPI,
         store: ObjectStore,
         worker_id: str,
         config: PlatformConfig,

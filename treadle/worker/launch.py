@@ -21,8 +21,7 @@ import sys
 
 import torch
 
-from treadle.engine.distributed import group as worker_group
-from treadle.engine.distributed.executor import follow
+from treadle.engine import Group, follow, init_from_env, leave
 from treadle.platform import db
 from treadle.platform.config import PlatformConfig
 from treadle.worker.runtime import new_engine, run_worker
@@ -57,9 +56,7 @@ def launch(worker_id: str, devices: int, layout: str) -> None:
 def run_rank(config: PlatformConfig, worker_id: str) -> None:
     """One rank of worker `worker_id`'s group: rank 0 runs the worker, the others follow."""
     _die_with_parent()
-    group = worker_group.init_from_env(
-        config.group_timeout_seconds, config.device, config.group_layout
-    )
+    group = init_from_env(config.group_timeout_seconds, config.device, config.group_layout)
     tag = _RankTag(worker_id, group.rank, group.world_size)
     for handler in logging.getLogger().handlers:  # every line says which rank of which group
         handler.addFilter(tag)
@@ -69,7 +66,7 @@ def run_rank(config: PlatformConfig, worker_id: str) -> None:
         run_follower(config, worker_id, group)
 
 
-def run_follower(config: PlatformConfig, worker_id: str, group: worker_group.Group) -> None:
+def run_follower(config: PlatformConfig, worker_id: str, group: Group) -> None:
     """A rank other than 0: an engine of its own (its own spill folder), running what rank 0
     sends until it closes the group."""
     database = db.connect(config.database_url, pool_size=1)
@@ -87,7 +84,7 @@ def run_follower(config: PlatformConfig, worker_id: str, group: worker_group.Gro
     try:
         follow(engine, group)
     finally:
-        worker_group.leave(engine)
+        leave(engine)
         database.dispose()
 
 
@@ -105,7 +102,7 @@ class _RankTag(logging.Filter):
         return True
 
 
-def _device(config: PlatformConfig, group: worker_group.Group) -> str | None:
+def _device(config: PlatformConfig, group: Group) -> str | None:
     """This rank's device: its own GPU (LOCAL_RANK), or the configured device."""
     if torch.cuda.is_available() and (config.device or "cuda").startswith("cuda"):
         return f"cuda:{int(os.environ.get('LOCAL_RANK', group.rank))}"

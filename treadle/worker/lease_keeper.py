@@ -16,8 +16,7 @@ from typing import Any
 
 from celery import Celery
 
-from treadle.engine.distributed.executor import GroupEngine
-from treadle.engine.memory.capacity import Capacity
+from treadle.engine import Capacity
 from treadle.platform.checkpoints import checkpoints
 from treadle.platform.config import PlatformConfig
 from treadle.platform.eventlog import notify
@@ -47,12 +46,11 @@ class LeaseKeeper(threading.Thread):
         # What the heartbeat tells the platform about this process (`treadle status` shows it).
         self.info: dict[str, Any] = {"pid": os.getpid(), "metrics_url": metrics_url}
         shards = 1
-        if isinstance(host.engine, GroupEngine):
-            group = host.engine.group
+        if (group := host.engine.topology()) is not None:
             self.info["world_size"] = group.world_size
             self.info["group_timeout_seconds"] = group.timeout_seconds
             self.info["layout"] = group.layout
-            shards = group.world_size if group.sharded else 1
+            shards = group.shards
         self.host = host
         engine = host.engine
         self.capacity = Capacity(
@@ -75,8 +73,7 @@ class LeaseKeeper(threading.Thread):
 
     def tick(self) -> None:
         me = self.host.worker_id
-        if isinstance(self.host.engine, GroupEngine):
-            self.host.engine.ping()  # a dead rank ends the group here, between operations
+        self.host.engine.ping()  # a group's dead rank ends the group here, between operations
         with self.host.db.begin() as conn:
             # Retired models too: the sessions already on them still need a host.
             models = [m.info for m in registry.list_models(conn, include_retired=True)]

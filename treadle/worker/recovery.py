@@ -19,7 +19,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from treadle.engine.engine import Engine, Interrupt
+from treadle.engine import EngineAPI, Interrupt
 from treadle.platform.checkpoints import auto_checkpoints
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.errors import ConflictError, GoneError, TreadleError
@@ -66,7 +66,7 @@ class Rebuilt:
 
 def recover(
     db: sa.Engine,
-    engine: Engine,
+    engine: EngineAPI,
     store: ObjectStore,
     session: SessionRow,
     *,
@@ -94,7 +94,7 @@ def recover(
 
 def rebuild(
     db: sa.Engine,
-    engine: Engine,
+    engine: EngineAPI,
     store: ObjectStore,
     session: SessionRow,
     *,
@@ -178,7 +178,7 @@ def rebuild(
 
 
 def _load_newest_point(
-    engine: Engine,
+    engine: EngineAPI,
     store: ObjectStore,
     session: SessionRow,
     adapter_id: str,
@@ -205,7 +205,7 @@ def _load_newest_point(
 
 
 def _verify(
-    engine: Engine, adapter_id: str, seq_id: int, what: str, recorded: Mapping[str, str]
+    engine: EngineAPI, adapter_id: str, seq_id: int, what: str, recorded: Mapping[str, str]
 ) -> None:
     actual = engine.state_hashes(adapter_id, list(recorded))
     for part, expected in recorded.items():
@@ -215,7 +215,7 @@ def _verify(
 
 def write_point(
     db: sa.Engine,
-    engine: Engine,
+    engine: EngineAPI,
     store: ObjectStore,
     session: SessionRow,
     *,
@@ -242,7 +242,7 @@ def write_point(
 
 def rebuild_from_source(
     db: sa.Engine,
-    engine: Engine,
+    engine: EngineAPI,
     store: ObjectStore,
     p: Rebuild,
     *,

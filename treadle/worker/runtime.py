@@ -15,10 +15,7 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.signals import after_setup_task_logger, worker_ready, worker_shutting_down
 
-from treadle.engine.distributed import group as worker_group
-from treadle.engine.distributed.executor import GroupEngine
-from treadle.engine.engine import Engine
-from treadle.engine.memory import heap
+from treadle.engine import ALONE, Engine, EngineAPI, Group, GroupExecutor, heap
 from treadle.platform import db, logs
 from treadle.platform.checkpoints import storage
 from treadle.platform.config import PlatformConfig
@@ -50,7 +47,7 @@ def new_engine(
     database: sa.Engine,
     *,
     spill_dir: Path,
-    group: worker_group.Group | None = None,
+    group: Group | None = None,
     device: str | None = None,
     pack_cpu_weights: bool | None = None,
 ) -> Engine:
@@ -65,7 +62,7 @@ def new_engine(
         pack_cpu_weights=config.pack_cpu_weights if pack_cpu_weights is None else pack_cpu_weights,
         activation_checkpointing=config.activation_checkpointing,
         models=registry.ModelRegistry(database).get,
-        group=group,
+        parallel=ALONE if group is None else group,
         microbatch_tokens=config.microbatch_tokens or None,
     )
 
@@ -75,17 +72,14 @@ def run_worker(
     worker_id: str,
     *,
     loglevel: str = "INFO",
-    group: worker_group.Group | None = None,
+    group: Group | None = None,
 ) -> None:
     """Run the worker `worker_id` until it is shut down: alone, or as rank 0 of `group`, whose
     other ranks follow its engine (`worker/launch.py`)."""
     heap.keep_freed_pages()
     database = db.connect(config.database_url, pool_size=4)
-    engine: Engine | GroupEngine = new_engine(
-        config, database, spill_dir=config.spill_dir(worker_id), group=group
-    )
-    if group is not None:
-        engine = GroupEngine(engine, group)
+    alone = new_engine(config, database, spill_dir=config.spill_dir(worker_id), group=group)
+    engine: EngineAPI = alone if group is None else GroupExecutor(alone, group)
     host = SessionHost(
         db=database,
         redis_client=redis.Redis.from_url(config.redis_url),
@@ -140,9 +134,7 @@ def run_worker(
         host.close()
         keeper.stopped.set()
         keeper.join(timeout=10)
-        if isinstance(engine, GroupEngine):
-            engine.close()  # the other ranks stop following
-            worker_group.leave(engine)
+        engine.close()  # a group's other ranks stop following
         with host.db.begin() as conn:
             released = leases.retire_worker(conn, worker_id, "the worker shut down")
         log.info("%s: released %d session lease(s) on shutdown", worker_id, len(released))

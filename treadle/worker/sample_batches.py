@@ -20,8 +20,7 @@ from typing import Any, Protocol
 import redis
 import sqlalchemy as sa
 
-from treadle.engine.engine import SampleBatch, SampleRequest, SampleResult
-from treadle.engine.sampling.decode import Key
+from treadle.engine import EngineAPI, Key, SampleBatchAPI, SampleRequest, SampleResult
 from treadle.platform.config import PlatformConfig
 from treadle.platform.eventlog import events, progress
 from treadle.platform.eventlog.optypes import OpType, Payload, Sample, parse_payload
@@ -73,7 +72,7 @@ class BatchHost(Protocol):
 
     db: sa.Engine
     redis: redis.Redis
-    engine: Any
+    engine: EngineAPI
     config: PlatformConfig
     worker_id: str
     closing: threading.Event
@@ -181,7 +180,7 @@ class SampleBatches:
 
     def _admit(
         self,
-        batch: SampleBatch,
+        batch: SampleBatchAPI,
         samples: list[tuple[SessionRow, operations.OperationRow, Sample]],
         admitted: dict[str, _Sampling],
         streams: streaming.Streams,

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import redis
 
-from treadle.engine.sampling.rules import SampleResult
+from treadle.engine import SampleResult
 from treadle.platform.eventlog import progress
 from treadle.platform.eventlog.notify import REDIS_DOWN
 

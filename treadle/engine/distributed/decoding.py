@@ -42,7 +42,7 @@ Key = Hashable
 
 
 class Leader(Protocol):
-    """What a `LeaderBatch` uses of rank 0's `group_engine.GroupEngine`."""
+    """What a `LeaderBatch` uses of rank 0's `executor.GroupExecutor`."""
 
     engine: Any
     group: Group

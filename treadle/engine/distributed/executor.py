@@ -1,14 +1,15 @@
-"""How rank 0 drives a worker group: `GroupEngine` on rank 0, `follow` on the others.
+"""How rank 0 drives a worker group: `GroupExecutor` on rank 0, `follow` on the others.
 
 Rank 0 is the worker the platform sees (it consumes the session queues, holds the leases and
-settles); its engine is a `GroupEngine`, which sends every call that changes an adapter to the
-other ranks (a broadcast of the method and its arguments) before running it on its own engine,
-so every rank's engine sees the same calls in the same order. The other ranks run `follow`:
-receive a call, run it, until rank 0 closes the group or a collective times out. After each call
-every rank checks that all ended the same way (the same error or none; after a call that sets
-weights, the same weight hash): a rank that differs fails the group rather than train on other
-weights than rank 0 reports. Sampling runs on the whole group (`group_batches`); what only reads
-an adapter (exports, hashes, weights) runs on rank 0 alone, whose adapter is the whole adapter.
+settles); its engine is a `GroupExecutor`, which implements `protocol.EngineAPI` for the whole
+group: every call that carries the `changes_adapter` marker is sent to the other ranks (a
+broadcast of the call's name and arguments) before it runs on rank 0's own engine, so every
+rank's engine sees the same calls in the same order; every other call runs on rank 0 alone,
+whose adapter is the whole adapter. The other ranks run `follow`: receive a call, run it, until
+rank 0 closes the group or a collective times out. After each mirrored call every rank checks
+that all ended the same way (the same error or none; after a call that sets weights, the same
+weight hash): a rank that differs fails the group rather than train on other weights than rank 0
+reports. Sampling runs on the whole group (`decoding`).
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -16,84 +17,156 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from treadle.engine.distributed import decoding as group_batches
-from treadle.engine.distributed.group import Group, broadcast, fail, gather
-from treadle.engine.memory.capacity import device_memory_in_use
-from treadle.engine.sampling.decode import SampleRequest
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
 
-__all__ = ["MIRRORED", "GroupEngine", "follow"]
+from treadle.engine.distributed.decoding import CALLS, FollowerBatches, LeaderBatch
+from treadle.engine.distributed.group import Group, broadcast, fail, gather, leave
+from treadle.engine.engine import Engine
+from treadle.engine.lora.adapters import LoraSpec
+from treadle.engine.losses.functions import EngineDatum
+from treadle.engine.memory.capacity import device_memory_in_use
+from treadle.engine.optim import AdamSpec
+from treadle.engine.protocol import (
+    STATE_PARTS,
+    ForwardBackwardResult,
+    Interrupt,
+    Topology,
+    adapter_calls,
+)
+from treadle.engine.sampling.decode import SampleRequest, decode_all
+from treadle.engine.sampling.rules import SampleResult
+
+__all__ = ["MIRRORED", "GroupExecutor", "follow"]
 
 log = logging.getLogger(__name__)
 
-# Engine methods every rank runs (they change what an adapter or snapshot holds, or run the base
-# model); the rest run on rank 0 only.
-MIRRORED = frozenset(
-    {
-        "create_adapter",
-        "drop_adapter",
-        "set_adapter_weights",
-        "forward_backward",
-        "optim_step",
-        "snapshot",
-        "drop_snapshot",
-        "import_adapter",
-        "load_snapshot",
-    }
-)
+# The calls every rank runs: those `protocol.EngineAPI` marks as changing an adapter.
+MIRRORED = adapter_calls()
 # Mirrored calls after which every rank's adapter weights are compared (by hash).
 _SETS_WEIGHTS = frozenset({"create_adapter", "set_adapter_weights", "optim_step", "import_adapter"})
 _CLOSE = "__close__"
 _PING = "__ping__"
 
 
-class GroupEngine:
-    """Rank 0's engine: the `Engine` interface, each mirrored call sent to the other ranks
-    first. `interrupt` callbacks run on rank 0, once, before a call is sent (a call the group
-    has started runs to its end on every rank)."""
+class GroupExecutor:
+    """Rank 0's `EngineAPI` for a worker group over its own `engine` (see the module's
+    docstring). A mirrored call's `interrupt` keyword runs on rank 0, once, before the call is
+    sent (a call the group has started runs to its end on every rank)."""
 
-    def __init__(self, engine: Any, group: Group) -> None:
+    def __init__(self, engine: Engine, group: Group) -> None:
         assert group.is_leader
         self.engine = engine
         self.group = group
+        self.device: torch.device = engine.device
+        self.dtype: torch.dtype = engine.dtype
         # One call in flight across the group: a ping never lands inside a call's collectives.
         self._sending = threading.Lock()
         # Each rank's device memory in use by kind (`capacity.device_memory_in_use`), as of the
         # last ping: the worker's metrics show every rank's.
-        self.rank_memory: dict[int, dict[str, float]] = {}
+        self._rank_memory: dict[int, dict[str, float]] = {}
 
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self.engine, name)
-        if name not in MIRRORED:
-            return attribute
+    # -- calls on rank 0 alone
 
-        def mirrored(*args: Any, **kwargs: Any) -> Any:
-            interrupt: Callable[[], None] | None = kwargs.pop("interrupt", None)
-            with self._sending:
-                if interrupt is not None:
-                    interrupt()
-                broadcast((name, args, kwargs))
-                result, error = _run(self.engine, name, args, kwargs)
-            if error is not None:
-                raise error
-            return result
+    def tokenizer(self, base_model: str) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer(base_model)
 
-        return mirrored
+    def has_adapter(self, adapter_id: str) -> bool:
+        return self.engine.has_adapter(adapter_id)
 
-    # Sampling: the engine's own loops, each batch a `LeaderBatch` the whole group decodes.
+    def adapter_counts(self) -> tuple[int, int]:
+        return self.engine.adapter_counts()
 
-    def open_batch(self, base_model: str) -> group_batches.LeaderBatch:
-        return group_batches.LeaderBatch(self, base_model)
+    def snapshot_counts(self) -> tuple[int, int]:
+        return self.engine.snapshot_counts()
 
-    def sample(self, *args: Any, **kwargs: Any) -> Any:
-        return type(self.engine).sample(self, *args, **kwargs)
+    def adapter_weights(self, adapter_id: str) -> dict[str, np.ndarray]:
+        return self.engine.adapter_weights(adapter_id)
+
+    def adapter_grads(self, adapter_id: str) -> dict[str, np.ndarray]:
+        return self.engine.adapter_grads(adapter_id)
+
+    def weight_hash(self, adapter_id: str) -> str:
+        return self.engine.weight_hash(adapter_id)
+
+    def state_hashes(self, adapter_id: str, parts: Sequence[str] = STATE_PARTS) -> dict[str, str]:
+        return self.engine.state_hashes(adapter_id, parts)
+
+    def has_snapshot(self, snapshot_id: str) -> bool:
+        return self.engine.has_snapshot(snapshot_id)
+
+    def export_adapter(self, adapter_id: str, folder: Path, *, with_optimizer: bool) -> None:
+        self.engine.export_adapter(adapter_id, folder, with_optimizer=with_optimizer)
+
+    def export_merged(self, adapter_id: str, folder: Path) -> None:
+        self.engine.export_merged(adapter_id, folder)
+
+    # -- calls every rank runs (marked `changes_adapter` in `EngineAPI`)
+
+    def create_adapter(self, adapter_id: str, base_model: str, lora: LoraSpec) -> None:
+        self._mirror("create_adapter", adapter_id, base_model, lora)
+
+    def drop_adapter(self, adapter_id: str, *, keep_snapshots: bool = False) -> None:
+        self._mirror("drop_adapter", adapter_id, keep_snapshots=keep_snapshots)
+
+    def set_adapter_weights(self, adapter_id: str, weights: Mapping[str, np.ndarray]) -> None:
+        self._mirror("set_adapter_weights", adapter_id, weights)
+
+    def forward_backward(
+        self,
+        adapter_id: str,
+        data: Sequence[EngineDatum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        forward_only: bool = False,
+        interrupt: Interrupt | None = None,
+    ) -> ForwardBackwardResult:
+        result: ForwardBackwardResult = self._mirror(
+            "forward_backward",
+            adapter_id,
+            data,
+            loss_fn,
+            loss_fn_config,
+            forward_only=forward_only,
+            interrupt=interrupt,
+        )
+        return result
+
+    def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]:
+        metrics: dict[str, float] = self._mirror("optim_step", adapter_id, adam)
+        return metrics
+
+    def snapshot(self, adapter_id: str, snapshot_id: str) -> None:
+        self._mirror("snapshot", adapter_id, snapshot_id)
+
+    def drop_snapshot(self, snapshot_id: str) -> None:
+        self._mirror("drop_snapshot", snapshot_id)
+
+    def import_adapter(
+        self, adapter_id: str, base_model: str, folder: Path, *, with_optimizer: bool
+    ) -> None:
+        self._mirror(
+            "import_adapter", adapter_id, base_model, folder, with_optimizer=with_optimizer
+        )
+
+    def load_snapshot(self, snapshot_id: str, base_model: str, folder: Path) -> None:
+        self._mirror("load_snapshot", snapshot_id, base_model, folder)
+
+    # -- sampling: each batch a `LeaderBatch` the whole group decodes
+
+    def open_batch(self, base_model: str) -> LeaderBatch:
+        return LeaderBatch(self, base_model)
 
     def sample_batch(
-        self, requests: Sequence[SampleRequest], *, interrupt: Callable[[], None] | None = None
-    ) -> list[Any]:
-        return type(self.engine).sample_batch(self, requests, interrupt=interrupt)  # type: ignore[no-any-return]
+        self, requests: Sequence[SampleRequest], *, interrupt: Interrupt | None = None
+    ) -> list[SampleResult | Exception]:
+        return decode_all(self.open_batch, requests, interrupt)
 
     def call_all(self, name: str, args: tuple[Any, ...], local: Callable[[], Any]) -> list[Any]:
         """Send `name(*args)` to the other ranks, run `local` here, and gather every rank's
@@ -102,6 +175,14 @@ class GroupEngine:
             broadcast((name, args, {}))
             return gather(local())
 
+    # -- the group itself
+
+    def topology(self) -> Topology:
+        return self.group.topology
+
+    def rank_memory(self) -> dict[int, dict[str, float]]:
+        return {**self._rank_memory, 0: device_memory_in_use(self.device)}
+
     def ping(self) -> None:
         """While no call is in flight, show the other ranks the group is alive (they wait for
         the next call at most the group's timeout), learn whether they are, and read each
@@ -109,22 +190,40 @@ class GroupEngine:
         if self._sending.acquire(blocking=False):
             try:
                 broadcast((_PING, (), {}))
-                every = gather(device_memory_in_use(self.engine.device))
-                self.rank_memory = dict(enumerate(every))
+                every = gather(device_memory_in_use(self.device))
+                self._rank_memory = dict(enumerate(every))
             finally:
                 self._sending.release()
 
     def close(self) -> None:
-        """Tell the other ranks to stop following."""
+        """Tell the other ranks to stop following, then leave the group."""
         with self._sending:
             broadcast((_CLOSE, (), {}))
+        leave(self.engine)
+
+    def _mirror(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `name` on every rank: only a call `EngineAPI` marks `changes_adapter`."""
+        if name not in MIRRORED:
+            raise AssertionError(f"{name} is not marked changes_adapter in EngineAPI")
+        return self._send(name, args, kwargs)
+
+    def _send(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        interrupt: Interrupt | None = kwargs.pop("interrupt", None)
+        with self._sending:
+            if interrupt is not None:
+                interrupt()
+            broadcast((name, args, kwargs))
+            result, error = _run(self.engine, name, args, kwargs)
+        if error is not None:
+            raise error
+        return result
 
 
-def follow(engine: Any, group: Group) -> None:
+def follow(engine: Engine, group: Group) -> None:
     """A rank other than 0: run each call rank 0 sends on `engine`, until it closes the group.
     A call's error is the same on every rank (the same inputs): it is logged and the rank goes
     on, as rank 0 reports it to the client."""
-    batches = group_batches.FollowerBatches(engine, group)
+    batches = FollowerBatches(engine, group)
     while True:
         name, args, kwargs = broadcast(None)
         if name == _CLOSE:
@@ -132,16 +231,18 @@ def follow(engine: Any, group: Group) -> None:
         if name == _PING:
             gather(device_memory_in_use(engine.device))
             continue
-        if name in group_batches.CALLS:
+        if name in CALLS:
             batches.run(name, args)
             continue
+        if name not in MIRRORED:  # a newer rank 0 than this rank: the group cannot agree
+            fail(f"rank 0 sent {name!r}, which this rank does not run")
         _, error = _run(engine, name, args, kwargs)
         if error is not None:  # the same as rank 0's (`_run` checked), which reports it
             log.info("rank call %s failed as on rank 0: %s", name, error)
 
 
 def _run(
-    engine: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    engine: Engine, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Exception | None]:
     """Run a mirrored call on this rank's engine, then check with every rank that it ended the
     same way: the same error or none, and for a call that sets an adapter's weights the same

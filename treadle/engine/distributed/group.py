@@ -4,8 +4,8 @@ Owns a rank's place in its group (`Group`: rank, world size, the collectives' ti
 layout of the base models), joining and leaving the process group, the collectives the group
 runs on (every one bounded by the group's timeout: a rank that dies fails the others within it
 instead of hanging them), the exact data parallelism of `forward_backward` and the sharding of a
-base model. How rank 0 drives the others lives in `group_engine`, sampling on a group in
-`group_batches`.
+base model. How rank 0 drives the others lives in `executor`, sampling on a group in
+`decoding`.
 
 Data parallel, exact: `forward_backward` splits a request into parts the same way at every world
 size (`losses.microbatches`), each rank computes the parts `Group.assign` gives it (balanced by
@@ -33,18 +33,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from treadle.engine.protocol import Part, Topology
 from treadle.platform.config import GROUP_LAYOUTS as LAYOUTS
 
 __all__ = [
     "GROUP_FAILED_EXIT",
     "LAYOUTS",
     "Group",
-    "Part",
     "broadcast",
     "fail",
     "gather",
@@ -58,16 +57,6 @@ log = logging.getLogger(__name__)
 # A rank's exit status when its group failed (a rank died, a collective timed out, the ranks
 # disagreed): its launcher ends the other ranks and the worker is started again.
 GROUP_FAILED_EXIT = 75
-
-
-@dataclass
-class Part:
-    """One part of a forward_backward: its data's outputs, its summed loss and its LoRA
-    gradient (one tensor per adapter parameter, None where the parameter got none)."""
-
-    outputs: list[dict[str, np.ndarray]]
-    loss: float
-    grads: list[torch.Tensor | None] | None
 
 
 @dataclass
@@ -92,6 +81,10 @@ class Group:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; use one of {', '.join(LAYOUTS)}")
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.world_size, self.layout, self.timeout_seconds)
 
     @property
     def is_leader(self) -> bool:
@@ -127,6 +120,10 @@ class Group:
         most = max(owners.count(r) for r in range(self.world_size))
         smallest = min(range(len(tokens_P)), key=lambda p: (tokens_P[p], p))
         return mine + [(smallest, False)] * (most - len(mine))
+
+    def shard(self, model: nn.Module, device: torch.device) -> int:
+        """See `shard_layers`."""
+        return shard_layers(model, self, device)
 
     def exchange(self, mine: dict[int, Part], count: int) -> list[Part]:
         """Every part, in order, on every rank: each rank's parts gathered to all."""

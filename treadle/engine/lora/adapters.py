@@ -30,10 +30,11 @@ from treadle.engine.lora.targets import (
     resolve,
 )
 from treadle.engine.models import cpu_linear
+from treadle.engine.optim import AdamSpec, adamw
+from treadle.engine.optim import step as adam_step
 from treadle.platform.errors import ValidationError
 
 __all__ = [
-    "AdamSpec",
     "LoraHost",
     "LoraLinear",
     "LoraSpec",
@@ -366,26 +367,6 @@ class LoraHost:
         return LoraWeights(scale=spec.alpha / rank, A=a, B=b)
 
 
-@dataclass(frozen=True)
-class AdamSpec:
-    """AdamW's settings for one step. `lora_plus_lr_ratio` is LoRA+ (Hayou et al. 2024,
-    arXiv 2402.12354; SageMaker's loraPlusLrRatio): every B matrix learns at `learning_rate`
-    times it, every A matrix at `learning_rate`."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-    lora_plus_lr_ratio: float = 1.0
-
-
-# The optimizer's parameter groups: the A matrices (and any other adapter tensor) learn at the
-# step's learning rate, the B matrices at that times `lora_plus_lr_ratio` (LoRA+).
-_A_GROUP, _B_GROUP = 0, 1
-
-
 class TrainableLora:
     """One adapter under training: its weights, the grads accumulated since the last step and its
     AdamW state, kept together on one device.
@@ -399,11 +380,8 @@ class TrainableLora:
         self.weights = weights
         b_ids = {id(t) for t in weights.B.values()}
         params = weights.parameters()
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for p in params if id(p) not in b_ids]},  # _A_GROUP
-                {"params": [p for p in params if id(p) in b_ids]},  # _B_GROUP
-            ]
+        self.optimizer = adamw(
+            [p for p in params if id(p) not in b_ids], [p for p in params if id(p) in b_ids]
         )
         self.is_released = False  # its tensors are freed (paged out) until `restore`
 
@@ -471,35 +449,8 @@ class TrainableLora:
         self.optimizer.load_state_dict({"state": as_saved, "param_groups": groups})
 
     def step(self, adam: AdamSpec) -> dict[str, float]:
-        """Apply the accumulated grads with AdamW(`adam`) (after clipping their global norm to
-        `grad_clip_norm`, if > 0), then zero them: the B matrices with learning rate
-        `learning_rate * lora_plus_lr_ratio` (their weight decay too, as AdamW ties it to the
-        rate), everything else with `learning_rate`. Returns the norm before clipping and
-        `learning_rate` (the A matrices')."""
-        _check_adam(adam)
-        params = self.weights.parameters()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if adam.grad_clip_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm)
-        # A ratio of 1 gives B exactly the learning rate (x * 1.0 == x), so the step is the one
-        # a single group made before LoRA+ existed, bit for bit: AdamW updates each tensor alone.
-        rates = {
-            _A_GROUP: adam.learning_rate,
-            _B_GROUP: adam.learning_rate * adam.lora_plus_lr_ratio,
-        }
-        for index, group in enumerate(self.optimizer.param_groups):
-            group.update(
-                lr=rates[index],
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm:mean": float(grad_norm), "learning_rate:mean": adam.learning_rate}
+        """Apply the accumulated grads with AdamW(`adam`), then zero them (`optim.step`)."""
+        return adam_step(self.optimizer, self.weights.parameters(), adam)
 
     def move_to(self, device: torch.device) -> None:
         """Move weights, pending grads and Adam moments to `device`, in place: the parameter
@@ -564,26 +515,3 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     """Equal, reading a missing index ("cuda") as the current device, without initialising CUDA
     to ask which that is (the one process-wide device a worker uses)."""
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _check_adam(adam: AdamSpec) -> None:
-    problems = []
-    if not adam.learning_rate >= 0:
-        problems.append(f"learning_rate {adam.learning_rate} must be 0 or more")
-    for name, beta in (("beta1", adam.beta1), ("beta2", adam.beta2)):
-        if not 0 <= beta < 1:
-            problems.append(f"{name} {beta} must be in [0, 1)")
-    for name, value in (
-        ("eps", adam.eps),
-        ("weight_decay", adam.weight_decay),
-        ("grad_clip_norm", adam.grad_clip_norm),
-    ):
-        if not value >= 0:
-            problems.append(f"{name} {value} must be 0 or more")
-    if not (math.isfinite(adam.lora_plus_lr_ratio) and adam.lora_plus_lr_ratio >= 1):
-        problems.append(
-            f"lora_plus_lr_ratio {adam.lora_plus_lr_ratio} must be a finite number, 1 or more "
-            "(1 trains A and B at the same rate)"
-        )
-    if problems:
-        raise ValidationError("invalid Adam parameters: " + "; ".join(problems))

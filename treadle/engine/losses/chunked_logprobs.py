@@ -51,7 +51,7 @@ Head = Callable[[Tensor], Tensor]  # final hidden states [N, H] -> logits [N, V]
 # CausalLMs whose forward (transformers 5.25) is `lm_head(backbone(...).last_hidden_state)` and
 # nothing more; Gemma 3 then soft-caps. Matched by exact type: a subclass may change its forward.
 # Router aux losses (Qwen3-MoE, gpt-oss) come only with output_router_logits, which the loss never
-# asked for. tests/unit/test_chunked_logprobs.py fails when a new transformers changes one.
+# asked for. tests/unit/engine/test_chunked_logprobs.py fails when a new transformers changes one.
 _PLAIN_HEADS = (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -128,7 +128,7 @@ def target_logprobs(
         input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
     ).last_hidden_state
     # Padding's logits too, as the full forward computes them: skipping them changed the float
-    # rounding of the grads enough to break tests/unit/test_engine.py's 1e-6 comparisons.
+    # rounding of the grads enough to break tests/unit/engine/test_engine.py's 1e-6 comparisons.
     hidden_N_H, targets_N = hidden_B_T_H.flatten(0, 1), targets_B_T.flatten()
     rows = max(1, logits_per_chunk // model.config.vocab_size)
     pieces = []

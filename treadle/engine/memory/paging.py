@@ -19,13 +19,13 @@ import shutil
 import tempfile
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from treadle.engine.lora.adapters import TrainableLora
 from treadle.engine.memory.heap import release_excess
 
 __all__ = ["Paging", "SPILL_SUFFIX", "owned", "page_out", "write_spill_file"]
@@ -36,8 +36,20 @@ SPILL_SUFFIX = ".adapter.safetensors"
 _CPU = torch.device("cpu")
 
 
+class Paged(Protocol):
+    """An adapter's training state as paging moves it (`lora.adapters.TrainableLora`)."""
+
+    def move_to(self, device: torch.device) -> None: ...
+
+    def state_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def release(self) -> None: ...
+
+    def restore(self, tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+
 class Paging:
-    """The adapters' places. `loras(adapter_id)` gives an adapter's `TrainableLora` (its object
+    """The adapters' places. `loras(adapter_id)` gives an adapter's training state (`Paged`: a `lora.TrainableLora`; its object
     stays for the adapter's lifetime; paging frees and restores its tensors in place).
 
     `max_loaded` None keeps every adapter in memory and writes nothing. `spill_dir` None with a
@@ -47,7 +59,7 @@ class Paging:
 
     def __init__(
         self,
-        loras: Callable[[str], TrainableLora],
+        loras: Callable[[str], Paged],
         *,
         device: torch.device,
         max_resident: int,
@@ -94,7 +106,7 @@ class Paging:
         len() is one atomic read), so a metrics scrape never waits for a running operation."""
         return len(self._loaded), len(self._files)
 
-    def use(self, adapter_id: str, *, on_device: bool) -> TrainableLora:
+    def use(self, adapter_id: str, *, on_device: bool) -> Paged:
         """The adapter's state, read back from disk if it was paged out and marked most recently
         used; with `on_device`, moved onto the accelerator too. Then the least recently used
         others beyond the limits move to host memory or out to disk."""
@@ -146,7 +158,7 @@ class Paging:
         self._files[adapter_id] = path
         return True
 
-    def _read_back(self, adapter_id: str, lora: TrainableLora) -> None:
+    def _read_back(self, adapter_id: str, lora: Paged) -> None:
         path = self._files[adapter_id]
         try:
             tensors = load_file(str(path), device="cpu")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from engine_support import ADAM, DATA, TINY, new_adapter, train
 
-from treadle.engine.engine import Engine, SamplingSpec
+from treadle.engine import Engine, SamplingSpec
 
 
 class Stop(Exception):

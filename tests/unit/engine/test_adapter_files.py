@@ -21,7 +21,7 @@ from engine_support import (
     train,
 )
 
-from treadle.engine.engine import Engine, EngineDatum, LoraSpec, SamplingSpec
+from treadle.engine import Engine, EngineDatum, LoraSpec, SamplingSpec
 from treadle.engine.lora import files as adapter_files
 from treadle.engine.models import loading as models
 from treadle.platform.errors import ConflictError, ValidationError

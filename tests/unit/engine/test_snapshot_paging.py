@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from engine_support import PROMPT, TINY, new_adapter, randomise_b
 
-from treadle.engine.engine import Engine, SampleRequest, SamplingSpec
+from treadle.engine import Engine, SampleRequest, SamplingSpec
 from treadle.engine.lora.snapshots import SNAPSHOT_SUFFIX
 from treadle.platform.config import DEFAULT_MAX_LOADED_SNAPSHOTS, PlatformConfig
 from treadle.platform.errors import UnavailableError

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from engine_support import ADAM, DATA, PROMPT, TINY, logprobs, new_adapter, randomise_b
 
-from treadle.engine.engine import Engine, LoraSpec, SamplingSpec
+from treadle.engine import Engine, LoraSpec, SamplingSpec
 from treadle.engine.memory.paging import SPILL_SUFFIX
 from treadle.platform.config import DEFAULT_MAX_LOADED_ADAPTERS, PlatformConfig
 

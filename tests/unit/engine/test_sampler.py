@@ -18,7 +18,7 @@ from engine_support import (
     train,
 )
 
-from treadle.engine.engine import Engine, SamplingSpec
+from treadle.engine import Engine, SamplingSpec
 from treadle.platform.errors import ValidationError
 
 GREEDY = SamplingSpec(max_tokens=6, temperature=0.0, stop=())

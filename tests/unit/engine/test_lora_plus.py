@@ -20,9 +20,9 @@ import torch
 from engine_support import DATA, TINY, new_adapter, randomise_b, train
 from torch import nn
 
-from treadle.engine.engine import Engine
+from treadle.engine import AdamSpec, Engine
 from treadle.engine.lora import files as adapter_files
-from treadle.engine.lora.adapters import AdamSpec, LoraWeights, TrainableLora
+from treadle.engine.lora.adapters import LoraWeights, TrainableLora
 from treadle.platform.errors import ValidationError
 
 # weight decay and clipping on, so the ratio's reach into both is checked too

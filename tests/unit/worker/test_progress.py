@@ -16,7 +16,7 @@ import redis
 from engine_support import PROMPT, TINY
 
 from tests.conftest import Services
-from treadle.engine.engine import Engine, SampleRequest, SampleResult, SamplingSpec
+from treadle.engine import Engine, SampleRequest, SampleResult, SamplingSpec
 from treadle.platform.errors import OperationCancelledError
 from treadle.platform.eventlog import notify, progress
 from treadle.platform.eventlog.progress import ProgressTimeoutError

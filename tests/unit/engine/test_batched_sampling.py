@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from engine_support import PROMPT, TINY, new_adapter, randomise_b
 
-from treadle.engine.engine import (
+from treadle.engine import (
     Engine,
     LoraSpec,
     SampleRequest,

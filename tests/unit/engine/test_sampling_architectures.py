@@ -175,7 +175,7 @@ def test_a_sample_alone_equals_it_among_other_architectures_requests_on_one_engi
     architectures' requests and another request on its own base (one adapted by a snapshot,
     one on the base alone, of different prompt lengths)."""
     from tests import tiny_models
-    from treadle.engine.engine import Engine
+    from treadle.engine import Engine
     from treadle.engine.sampling.decode import SampleRequest
     from treadle.platform.models import model_files
 

@@ -19,7 +19,7 @@ from engine_support import DATA, new_adapter, randomise_b
 from transformers import LlamaForCausalLM, PreTrainedModel
 
 from tests.architectures import ARCHITECTURES, build
-from treadle.engine.engine import Engine
+from treadle.engine import Engine
 from treadle.engine.lora.adapters import LoraHost, LoraSpec, LoraWeights
 from treadle.engine.losses import functions as losses_module
 from treadle.engine.losses.chunked_logprobs import (

@@ -22,7 +22,7 @@ from engine_support import (
     train,
 )
 
-from treadle.engine.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
+from treadle.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
 from treadle.engine.losses import functions as losses_module
 from treadle.engine.losses.functions import (
     MICROBATCH_LOGITS,

@@ -23,7 +23,7 @@ from engine_support import (
     train,
 )
 
-from treadle.engine.engine import Engine, LoraSpec, SamplingSpec
+from treadle.engine import Engine, LoraSpec, SamplingSpec
 from treadle.platform.models.catalog import SMOLLM2_NAME
 
 pytestmark = pytest.mark.gpu

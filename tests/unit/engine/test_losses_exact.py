@@ -24,7 +24,7 @@ from engine_support import (
     reference_logprobs,
 )
 
-from treadle.engine.engine import Engine, EngineDatum, LoraSpec
+from treadle.engine import Engine, EngineDatum, LoraSpec
 from treadle.engine.losses.functions import LOSSES
 from treadle.platform.errors import ValidationError
 

@@ -114,7 +114,7 @@ def test_each_test_process_and_what_it_starts_pick_ports_from_a_block_of_its_own
     monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.setenv("PROBE_DIR", str(tmp_path))
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
          "-n", "2", "--dist", "each", "--rootdir", str(tmp_path), str(tmp_path / "test_probe.py")],

@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_support import PROMPT, TINY, bare_model
 
-from treadle.engine.engine import Engine, PromptTargets, SamplingSpec
+from treadle.engine import Engine, PromptTargets, SamplingSpec
 from treadle.platform.errors import ValidationError
 
 ONE_STEP = SamplingSpec(max_tokens=1, temperature=0.0, stop=())

@@ -20,14 +20,14 @@ import torch
 
 from tests.unit import group_loop
 from tests.unit.engine_support import shared_cache_dir
+from treadle.engine import Engine
 from treadle.engine.distributed.group import Group
-from treadle.engine.engine import Engine
 from treadle.engine.memory.capacity import HEADROOM, Capacity
 from treadle.platform.config import PlatformConfig
 from treadle.platform.embedded import free_port
 from treadle.platform.models.catalog import TINY_DEBUG_NAME, get_base_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,263 @@
+"""The engine's declared interfaces: `EngineAPI` (what the worker calls) and `Parallelism` (how
+a forward_backward's parts are spread across processes).
+
+`EngineAPI` is satisfied by the single-process `Engine` and by the group's
+`distributed.executor.GroupExecutor`; the worker holds one or the other and never asks which.
+Every call that changes what an adapter or a snapshot holds, or runs the base model for
+training, carries the `changes_adapter` marker: a group runs exactly those on every rank
+(`adapter_calls`), the rest on rank 0 alone. `Parallelism` is applied to the engine's compute
+from outside, as torchtitan applies its parallelisms: `Alone` computes every part here, a
+worker group's `distributed.group.Group` computes this rank's share, hands each rank every
+part, and shards the base models' layers in its sharded layout.
+Must not import flask, sqlalchemy, celery or treadle.api.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from treadle.engine.lora.adapters import LoraSpec
+from treadle.engine.losses.functions import EngineDatum
+from treadle.engine.optim import AdamSpec
+from treadle.engine.sampling.decode import Finished, Key, SampleRequest
+from treadle.engine.sampling.rules import SampleResult
+
+__all__ = [
+    "ALONE",
+    "STATE_PARTS",
+    "Alone",
+    "EngineAPI",
+    "ForwardBackwardResult",
+    "Interrupt",
+    "Parallelism",
+    "Part",
+    "SampleBatchAPI",
+    "Topology",
+    "adapter_calls",
+    "changes_adapter",
+]
+
+Interrupt = Callable[[], None]  # raises to stop a long call at its next step boundary
+# The parts of an adapter's state `state_hashes` can fingerprint.
+STATE_PARTS = ("weights", "grads", "optimizer")
+
+_MARK = "__treadle_changes_adapter__"
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def changes_adapter(method: _F) -> _F:
+    """Mark an `EngineAPI` call that changes what an adapter or snapshot holds (or runs the base
+    model for training): a worker group runs it on every rank, in the same order."""
+    setattr(method, _MARK, True)
+    return method
+
+
+def adapter_calls(api: type | None = None) -> frozenset[str]:
+    """The names of `api`'s calls that carry the `changes_adapter` marker (`EngineAPI`'s when
+    none is given)."""
+    cls = EngineAPI if api is None else api
+    return frozenset(
+        name
+        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        if getattr(member, _MARK, False)
+    )
+
+
+@dataclass
+class ForwardBackwardResult:
+    outputs: list[dict[str, np.ndarray]]  # per datum: logprobs, elementwise_loss; float32 [T_i]
+    metrics: dict[str, float]  # "loss:sum"
+    train_tokens: int
+
+
+@dataclass
+class Part:
+    """One part of a forward_backward: its data's outputs, its summed loss and its LoRA
+    gradient (one tensor per adapter parameter, None where the parameter got none)."""
+
+    outputs: list[dict[str, np.ndarray]]
+    loss: float
+    grads: list[torch.Tensor | None] | None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A worker group as the platform sees it: its world size, how it holds base models
+    (`layout`), and its collectives' timeout."""
+
+    world_size: int
+    layout: str
+    timeout_seconds: float
+
+    @property
+    def shards(self) -> int:
+        """Into how many parts each base model's decoder layers are split."""
+        return self.world_size if self.layout == "sharded" else 1
+
+
+class Parallelism(Protocol):
+    """How an engine's compute is spread: which passes of a forward_backward run here, how the
+    parts' results reach every process, and whether base models are sharded."""
+
+    @property
+    def sharded(self) -> bool: ...
+
+    def passes(self, tokens_P: Sequence[int]) -> list[tuple[int, bool]]:
+        """The parts this process computes, each with whether its result is kept (False: a pass
+        run only so that the processes' collectives pair up)."""
+        ...
+
+    def exchange(self, mine: dict[int, Part], count: int) -> list[Part]:
+        """Every one of the `count` parts, in order, from this process's `mine`."""
+        ...
+
+    def shard(self, model: nn.Module, device: torch.device) -> int:
+        """Split `model`'s decoder layers across the processes (when `sharded`)."""
+        ...
+
+
+class Alone:
+    """One process computes everything."""
+
+    sharded = False
+
+    def passes(self, tokens_P: Sequence[int]) -> list[tuple[int, bool]]:
+        return [(p, True) for p in range(len(tokens_P))]
+
+    def exchange(self, mine: dict[int, Part], count: int) -> list[Part]:
+        assert sorted(mine) == list(range(count)), (sorted(mine), count)
+        return [mine[p] for p in range(count)]
+
+    def shard(self, model: nn.Module, device: torch.device) -> int:
+        raise AssertionError("a process alone shards nothing")
+
+
+ALONE = Alone()
+
+
+class SampleBatchAPI(Protocol):
+    """A continuous batch of sample requests on one base model: requests join (`add`) between
+    decoding steps (`step`) and leave when done, each with its result or error."""
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: Key) -> bool: ...
+
+    def add(self, requests: Sequence[tuple[Key, SampleRequest]]) -> Finished: ...
+
+    def step(self, interrupt: Interrupt | None = None) -> Finished: ...
+
+    def drawn(self, key: Key) -> tuple[list[list[int]], list[list[float]]]: ...
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """LoRA training and sampling for many adapters on shared base models, addressed by id:
+    token ids in, one result or one error per call out (`engine.Engine` documents each)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    # -- models and adapters
+
+    def tokenizer(self, base_model: str) -> PreTrainedTokenizerBase: ...
+
+    @changes_adapter
+    def create_adapter(self, adapter_id: str, base_model: str, lora: LoraSpec) -> None: ...
+
+    def has_adapter(self, adapter_id: str) -> bool: ...
+
+    @changes_adapter
+    def drop_adapter(self, adapter_id: str, *, keep_snapshots: bool = False) -> None: ...
+
+    def adapter_counts(self) -> tuple[int, int]: ...
+
+    def snapshot_counts(self) -> tuple[int, int]: ...
+
+    def adapter_weights(self, adapter_id: str) -> dict[str, np.ndarray]: ...
+
+    @changes_adapter
+    def set_adapter_weights(self, adapter_id: str, weights: Mapping[str, np.ndarray]) -> None: ...
+
+    def adapter_grads(self, adapter_id: str) -> dict[str, np.ndarray]: ...
+
+    def weight_hash(self, adapter_id: str) -> str: ...
+
+    def state_hashes(
+        self, adapter_id: str, parts: Sequence[str] = STATE_PARTS
+    ) -> dict[str, str]: ...
+
+    # -- training
+
+    @changes_adapter
+    def forward_backward(
+        self,
+        adapter_id: str,
+        data: Sequence[EngineDatum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        forward_only: bool = False,
+        interrupt: Interrupt | None = None,
+    ) -> ForwardBackwardResult: ...
+
+    @changes_adapter
+    def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]: ...
+
+    # -- sampling
+
+    @changes_adapter
+    def snapshot(self, adapter_id: str, snapshot_id: str) -> None: ...
+
+    def has_snapshot(self, snapshot_id: str) -> bool: ...
+
+    @changes_adapter
+    def drop_snapshot(self, snapshot_id: str) -> None: ...
+
+    def sample_batch(
+        self, requests: Sequence[SampleRequest], *, interrupt: Interrupt | None = None
+    ) -> list[SampleResult | Exception]: ...
+
+    def open_batch(self, base_model: str) -> SampleBatchAPI: ...
+
+    # -- files
+
+    def export_adapter(self, adapter_id: str, folder: Path, *, with_optimizer: bool) -> None: ...
+
+    @changes_adapter
+    def import_adapter(
+        self, adapter_id: str, base_model: str, folder: Path, *, with_optimizer: bool
+    ) -> None: ...
+
+    def export_merged(self, adapter_id: str, folder: Path) -> None: ...
+
+    @changes_adapter
+    def load_snapshot(self, snapshot_id: str, base_model: str, folder: Path) -> None: ...
+
+    # -- the process (or group) itself
+
+    def topology(self) -> Topology | None:
+        """The worker group this engine drives (None: one process)."""
+        ...
+
+    def rank_memory(self) -> dict[int, dict[str, float]]:
+        """Device memory in use by kind, per rank (rank 0: now; the others: as of the last
+        `ping`)."""
+        ...
+
+    def ping(self) -> None:
+        """Between calls: check that every rank is alive (a dead one ends the group here)."""
+        ...
+
+    def close(self) -> None:
+        """The worker is ending: release what the engine holds (a group's other ranks stop)."""
+        ...

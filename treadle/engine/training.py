@@ -1,0 +1,142 @@
+"""The training bodies: a forward_backward's passes and an optimizer step on one adapter.
+
+A forward_backward runs in parts (`losses.microbatches`), split the same way whatever the
+`Parallelism`: this process computes the passes it is given, `exchange` hands it every part,
+and the parts' outputs, losses and gradients are added in their order, so the result is the
+same bit for bit however the parts were spread. The engine (`engine.Engine`) validates the
+request and holds the adapter; this module only computes.
+Must not import flask, sqlalchemy, celery or treadle.api.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from treadle.engine.lora.adapters import LoraHost, TrainableLora
+from treadle.engine.losses.chunked_logprobs import wants_checkpointing
+from treadle.engine.losses.functions import (
+    MICROBATCH_LOGITS,
+    LossFn,
+    batch_loss,
+    microbatches,
+    padded_tokens,
+)
+from treadle.engine.memory.heap import release_excess
+from treadle.engine.models.threads import threads_for
+from treadle.engine.optim import AdamSpec
+from treadle.engine.protocol import Interrupt, Parallelism, Part
+from treadle.platform.models.catalog import BaseModelInfo
+
+__all__ = ["OPTIMIZER_WORK_PER_PARAMETER", "Base", "forward_backward", "optim_step"]
+
+# An AdamW step's work per adapter parameter, in `threads`' multiply-adds (a dozen elementwise
+# operations, each reading and writing the parameter's state).
+OPTIMIZER_WORK_PER_PARAMETER = 16
+
+
+@dataclass
+class Base:
+    """A loaded base model, shared by every adapter on it."""
+
+    info: BaseModelInfo
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    host: LoraHost
+    parameters: int  # multiply-adds a token costs in a forward pass, roughly (`threads`)
+
+
+def forward_backward(
+    base: Base,
+    lora: TrainableLora,
+    arrays: list[dict[str, np.ndarray]],
+    loss: LossFn,
+    config: Mapping[str, float],
+    *,
+    parallel: Parallelism,
+    device: torch.device,
+    microbatch_tokens: int | None,
+    checkpointing: bool | None,
+    forward_only: bool,
+    interrupt: Interrupt | None,
+) -> tuple[list[dict[str, np.ndarray]], float]:
+    """Each datum's outputs and the summed loss of validated `arrays` under `lora`; unless
+    `forward_only`, the gradient is added to its accumulated grads. `interrupt` is called between
+    passes: what it raises ends the call with no gradient added."""
+    vocab_size = base.model.config.vocab_size
+    chunks = microbatches(arrays, vocab_size, max_tokens=microbatch_tokens)
+    tokens_P = [padded_tokens(chunk) for chunk in chunks]
+    passes = parallel.passes(tokens_P)
+    tokens = sum(tokens_P[p] for p, _ in passes)
+    checkpoint = checkpointing
+    if checkpoint is None and parallel.sharded:
+        # one choice for every pass of every rank: a checkpointed layer gathers its weights
+        # again in the backward, and the ranks' gathers must pair up
+        checkpoint = not forward_only and wants_checkpointing(base.model, max(tokens_P))
+    params = lora.weights.parameters()
+    parts: dict[int, Part] = {}
+    with base.host.use(lora.weights), torch.set_grad_enabled(not forward_only):
+        for p, kept in passes:
+            if interrupt is not None:
+                interrupt()
+            # per part, so a part runs on the same threads wherever it runs
+            work = tokens_P[p] * base.parameters * (1 if forward_only else 3)
+            with threads_for(work, device):
+                part = _part(base, chunks[p], loss, config, params, forward_only, checkpoint)
+            if kept:  # else a sharded group's extra pass, run so the ranks' match
+                parts[p] = part
+    every = parallel.exchange(parts, len(chunks))
+    outputs: list[dict[str, np.ndarray]] = []
+    total = 0.0
+    for part in every:  # in order: the sums one process makes, however the parts were spread
+        outputs.extend(part.outputs)
+        total += part.loss
+        if part.grads is not None:
+            _accumulate(params, part.grads)
+    if tokens * vocab_size >= MICROBATCH_LOGITS // 4:
+        # The passes' activations went back to the C heap, which keeps their pages for the
+        # next pass up to a limit (`heap`); a small call frees too little to look.
+        release_excess()
+    return outputs, total
+
+
+def optim_step(lora: TrainableLora, adam: AdamSpec, device: torch.device) -> dict[str, float]:
+    """Apply `lora`'s accumulated grads with AdamW(`adam`), then zero them (`optim.step`)."""
+    with threads_for(OPTIMIZER_WORK_PER_PARAMETER * lora.numel(), device):
+        return lora.step(adam)
+
+
+def _part(
+    base: Base,
+    arrays: list[dict[str, np.ndarray]],
+    loss: LossFn,
+    config: Mapping[str, float],
+    params: list[torch.Tensor],
+    forward_only: bool,
+    checkpoint: bool | None,
+) -> Part:
+    """One part of a forward_backward with the active adapter: its outputs, its summed loss
+    and (unless `forward_only`) its own gradient, not yet added to the accumulated grads."""
+    outputs, part_loss = batch_loss(base.model, arrays, loss, config, checkpoint_layers=checkpoint)
+    grads: list[torch.Tensor | None] | None = None
+    if not forward_only:  # allow_unused: a parameter no path reaches gets None
+        grads = list(torch.autograd.grad(part_loss, params, allow_unused=True))
+    return Part(outputs, float(part_loss.detach()), grads)
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add one part's gradient to the parameters' accumulated grads, as autograd's backward
+    would have: the first becomes the grad, later ones are added in place."""
+    with torch.no_grad():
+        for param, grad in zip(params, grads, strict=True):
+            if grad is None:
+                continue
+            grad = grad.to(param.device)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
