@@ -6,6 +6,7 @@ refuse it by name. (tests/integration/test_validation.py sends the same through 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -83,3 +84,17 @@ def test_weights_of_the_wrong_length_name_the_datum_and_key(loss_fn: str) -> Non
 def test_weights_must_be_float32() -> None:
     with pytest.raises(ValidationError, match="datum 0: weights must be float32, got int64"):
         validate(payload("ppo", weights=tensor([1, 0, 1], "int64")))
+
+
+@pytest.mark.parametrize("loss_fn", MASKED_LOSSES)
+def test_validation_changes_nothing_in_the_payload_and_returns_the_filled_config(
+    loss_fn: str,
+) -> None:
+    """The check reads the payload only; the loss's config with its defaults filled in (what
+    the operation records) is its answer."""
+    body = payload(loss_fn)
+    before = copy.deepcopy(body)
+    spec, config = validate_forward_backward(body, get_base_model(TINY_DEBUG_NAME))
+    assert body == before
+    assert spec.name == loss_fn
+    assert config == {key: default for key, (default, _, _) in spec.config.items()}

@@ -121,7 +121,7 @@ def forward_backward(
         "forward_only": forward_only,
         "data": [_datum(i, d) for i, d in enumerate(config["datumList"])],
     }
-    validation.validate_forward_backward(payload, model)
+    _, payload["loss_fn_config"] = validation.validate_forward_backward(payload, model)
     return optypes.ForwardBackward.model_validate(payload)
 
 

@@ -102,7 +102,7 @@ def forward_backward() -> Any:
     model_id, payload = decoded["model_id"], decoded["payload"]
     if decoded["seq_id"] < 1:
         raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
-    spec = validation.validate_forward_backward(
+    spec, payload["loss_fn_config"] = validation.validate_forward_backward(
         payload, services().models.get(base_model_of(model_id))
     )
     with_request = None

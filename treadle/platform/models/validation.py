@@ -78,11 +78,14 @@ MAX_TARGET_PROMPT_K = 1024
 MAX_TARGET_PROMPT_CELLS = 2**18
 
 
-def validate_forward_backward(payload: dict[str, Any], model: BaseModelInfo) -> LossSpec:
-    """Check a decoded forward_backward payload; fills in the loss's config defaults. Returns
-    the loss's specification."""
+def validate_forward_backward(
+    payload: Mapping[str, Any], model: BaseModelInfo
+) -> tuple[LossSpec, dict[str, float]]:
+    """Check a decoded forward_backward payload, changing nothing in it. Returns the loss's
+    specification and its config with the loss's defaults filled in (what the operation
+    records)."""
     spec = get_loss_spec(payload["loss_fn"])
-    payload["loss_fn_config"].update(resolve_config(spec, payload["loss_fn_config"]))
+    config = dict(resolve_config(spec, payload["loss_fn_config"]))
     data = payload["data"]
     if not data:
         raise ValidationError("forward_backward needs at least one datum")
@@ -90,7 +93,7 @@ def validate_forward_backward(payload: dict[str, Any], model: BaseModelInfo) -> 
         raise ValidationError(f"{len(data)} datums in one request; send at most {MAX_DATUMS}")
     for i, datum in enumerate(data):
         _validate_datum(i, datum, spec, model)
-    return spec
+    return spec, config
 
 
 def _validate_datum(i: int, datum: Mapping[str, Any], spec: LossSpec, model: BaseModelInfo) -> None:
