@@ -292,7 +292,9 @@ class SessionHost:
         try:
             if self.config.debug_faults:
                 faults.maybe_pause(self.redis, session.id, op.type, op.seq_id, self.closing)
-            settlement = self.settle(session, op, outcome, error, state, seconds, started_at)
+            settlement = self.settler.settle(
+                session, op, outcome, error, state, seconds, started_at
+            )
         except BaseException:
             self._discard(session.id)  # whether it committed is unknown: rebuild from the log
             if self.config.debug_faults:
@@ -327,7 +329,7 @@ class SessionHost:
             self.samples.run(session, op, payload)
             return
         outcome, error, _, seconds = self._run(self.call(session, op), payload, op)
-        self.settle(session, op, outcome, error, None, seconds, time.time() - seconds)
+        self.settler.settle(session, op, outcome, error, None, seconds, time.time() - seconds)
 
     def call(self, session: SessionRow, op: operations.OperationRow) -> handlers.Call:
         return handlers.Call(
@@ -371,19 +373,6 @@ class SessionHost:
         finally:
             self._running = None
         return outcome, error, state, time.perf_counter() - started
-
-    def settle(
-        self,
-        session: SessionRow,
-        op: operations.OperationRow,
-        outcome: handlers.Outcome | None,
-        error: dict[str, Any] | None,
-        state: dict[str, str] | None,
-        seconds: float,
-        started_at: float,
-    ) -> operations.Settlement | None:
-        """See `settle.Settler.settle`."""
-        return self.settler.settle(session, op, outcome, error, state, seconds, started_at)
 
     # --- samplers' snapshots and recovery points ----------------------------------------------
 

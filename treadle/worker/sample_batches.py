@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import redis
 import sqlalchemy as sa
@@ -30,6 +30,7 @@ from treadle.platform.sessions import sessions as sessions_core
 from treadle.platform.sessions.sessions import SessionRow
 from treadle.worker import handlers, streaming
 from treadle.worker.running import Running, WorkerClosing, error_of
+from treadle.worker.settle import Settler
 
 __all__ = ["SAMPLE_BATCH_LIMIT", "BatchHost", "SampleBatches"]
 
@@ -76,21 +77,11 @@ class BatchHost(Protocol):
     config: PlatformConfig
     worker_id: str
     closing: threading.Event
+    settler: Settler
 
     def lock(self, session_id: str) -> threading.Lock: ...
 
     def call(self, session: SessionRow, op: operations.OperationRow) -> handlers.Call: ...
-
-    def settle(
-        self,
-        session: SessionRow,
-        op: operations.OperationRow,
-        outcome: handlers.Outcome | None,
-        error: dict[str, Any] | None,
-        state: dict[str, str] | None,
-        seconds: float,
-        started_at: float,
-    ) -> operations.Settlement | None: ...
 
     def ensure_snapshot(self, session: SessionRow, snapshot_id: str) -> None: ...
 
@@ -229,7 +220,7 @@ class SampleBatches:
                 error = error_of(exc, failed)
             seconds = time.perf_counter() - sampling.started
             started_at = time.time() - seconds  # when it joined its batch, read before settling
-            self.host.settle(
+            self.host.settler.settle(
                 sampling.session, sampling.op, outcome, error, None, seconds, started_at
             )
 
