@@ -106,7 +106,7 @@ def rank_main(args: argparse.Namespace) -> None:
         args.out.write_text(json.dumps(result))
     else:
         follow(engine, group)
-    worker_group.leave(engine)
+        worker_group.leave(engine)  # rank 0's close() left already
 
 
 def world(args: argparse.Namespace, size: int, layout: str) -> dict[str, object]:

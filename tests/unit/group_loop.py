@@ -175,7 +175,7 @@ def main() -> None:
         out.write_text(json.dumps(result))
     else:
         follow(engine, g)
-    worker_group.leave(engine)
+        worker_group.leave(engine)  # rank 0's close() left already
 
 
 if __name__ == "__main__":

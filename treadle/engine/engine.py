@@ -46,6 +46,7 @@ from treadle.engine.protocol import (
     Interrupt,
     Parallelism,
     Topology,
+    decode_all,
 )
 from treadle.engine.sampling import decode as batching
 from treadle.engine.sampling import rules as sampler
@@ -376,7 +377,7 @@ class Engine:
         one batch per base model; a request's tokens and logprobs do not depend on the others.
         `interrupt` is called before each decoding step and what it raises ends the call; each
         request's own `interrupt` ends only that request, with what it raised as its result."""
-        return batching.decode_all(self.open_batch, requests, interrupt)
+        return decode_all(self.open_batch, requests, interrupt)
 
     def open_batch(self, base_model: str) -> SampleBatch:
         """A continuous batch of sample requests on `base_model` (loaded now if it is not):

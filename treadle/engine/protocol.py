@@ -5,7 +5,8 @@ a forward_backward's parts are spread across processes).
 `distributed.executor.GroupExecutor`; the worker holds one or the other and never asks which.
 Every call that changes what an adapter or a snapshot holds, or runs the base model for
 training, carries the `changes_adapter` marker: a group runs exactly those on every rank
-(`adapter_calls`), the rest on rank 0 alone. `Parallelism` is applied to the engine's compute
+(`adapter_calls`; after those marked `sets_weights` every rank's weights are compared), the
+rest on rank 0 alone. `Parallelism` is applied to the engine's compute
 from outside, as torchtitan applies its parallelisms: `Alone` computes every part here, a
 worker group's `distributed.group.Group` computes this rank's share, hands each rank every
 part, and shards the base models' layers in its sharded layout.
@@ -30,6 +31,7 @@ from treadle.engine.losses.functions import EngineDatum
 from treadle.engine.optim import AdamSpec
 from treadle.engine.sampling.decode import Finished, Key, SampleRequest
 from treadle.engine.sampling.rules import SampleResult
+from treadle.platform.errors import NotFoundError, ValidationError
 
 __all__ = [
     "ALONE",
@@ -44,32 +46,50 @@ __all__ = [
     "Topology",
     "adapter_calls",
     "changes_adapter",
+    "decode_all",
+    "sets_weights",
+    "weight_setting_calls",
 ]
 
 Interrupt = Callable[[], None]  # raises to stop a long call at its next step boundary
 # The parts of an adapter's state `state_hashes` can fingerprint.
 STATE_PARTS = ("weights", "grads", "optimizer")
 
-_MARK = "__treadle_changes_adapter__"
+_CHANGES = "__treadle_changes_adapter__"
+_SETS = "__treadle_sets_weights__"
 _F = TypeVar("_F", bound=Callable[..., object])
 
 
 def changes_adapter(method: _F) -> _F:
     """Mark an `EngineAPI` call that changes what an adapter or snapshot holds (or runs the base
     model for training): a worker group runs it on every rank, in the same order."""
-    setattr(method, _MARK, True)
+    setattr(method, _CHANGES, True)
     return method
 
 
-def adapter_calls(api: type | None = None) -> frozenset[str]:
-    """The names of `api`'s calls that carry the `changes_adapter` marker (`EngineAPI`'s when
-    none is given)."""
-    cls = EngineAPI if api is None else api
+def sets_weights(method: _F) -> _F:
+    """`changes_adapter`, for a call that sets an adapter's weights (its first argument): after
+    it a worker group checks that every rank holds the same weights."""
+    setattr(method, _SETS, True)
+    return changes_adapter(method)
+
+
+def _marked(mark: str) -> frozenset[str]:
     return frozenset(
         name
-        for name, member in inspect.getmembers(cls, inspect.isfunction)
-        if getattr(member, _MARK, False)
+        for name, member in inspect.getmembers(EngineAPI, inspect.isfunction)
+        if getattr(member, mark, False)
     )
+
+
+def adapter_calls() -> frozenset[str]:
+    """The names of `EngineAPI`'s calls marked `changes_adapter` (`sets_weights` included)."""
+    return _marked(_CHANGES)
+
+
+def weight_setting_calls() -> frozenset[str]:
+    """The names of `EngineAPI`'s calls marked `sets_weights`."""
+    return _marked(_SETS)
 
 
 @dataclass
@@ -159,6 +179,31 @@ class SampleBatchAPI(Protocol):
     def drawn(self, key: Key) -> tuple[list[list[int]], list[list[float]]]: ...
 
 
+def decode_all(
+    open_batch: Callable[[str], SampleBatchAPI],
+    requests: Sequence[SampleRequest],
+    interrupt: Interrupt | None = None,
+) -> list[SampleResult | Exception]:
+    """Every request's result or its error, decoded in one batch per base model (`open_batch`
+    opens one); a request's tokens and logprobs do not depend on the others. `interrupt` is
+    called before each decoding step and what it raises ends the call; each request's own
+    `interrupt` ends only that request, with what it raised as its result."""
+    results: dict[Key, SampleResult | Exception] = {}
+    by_base: dict[str, list[tuple[Key, SampleRequest]]] = {}
+    for i, request in enumerate(requests):
+        by_base.setdefault(request.base_model, []).append((i, request))
+    for base_model, keyed in by_base.items():
+        try:
+            batch = open_batch(base_model)
+        except (ValidationError, NotFoundError) as exc:
+            results.update((i, exc) for i, _ in keyed)
+            continue
+        results.update(batch.add(keyed))
+        while len(batch):
+            results.update(batch.step(interrupt))
+    return [results[i] for i in range(len(requests))]
+
+
 @runtime_checkable
 class EngineAPI(Protocol):
     """LoRA training and sampling for many adapters on shared base models, addressed by id:
@@ -171,7 +216,7 @@ class EngineAPI(Protocol):
 
     def tokenizer(self, base_model: str) -> PreTrainedTokenizerBase: ...
 
-    @changes_adapter
+    @sets_weights
     def create_adapter(self, adapter_id: str, base_model: str, lora: LoraSpec) -> None: ...
 
     def has_adapter(self, adapter_id: str) -> bool: ...
@@ -185,7 +230,7 @@ class EngineAPI(Protocol):
 
     def adapter_weights(self, adapter_id: str) -> dict[str, np.ndarray]: ...
 
-    @changes_adapter
+    @sets_weights
     def set_adapter_weights(self, adapter_id: str, weights: Mapping[str, np.ndarray]) -> None: ...
 
     def adapter_grads(self, adapter_id: str) -> dict[str, np.ndarray]: ...
@@ -210,7 +255,7 @@ class EngineAPI(Protocol):
         interrupt: Interrupt | None = None,
     ) -> ForwardBackwardResult: ...
 
-    @changes_adapter
+    @sets_weights
     def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]: ...
 
     # -- sampling
@@ -233,7 +278,7 @@ class EngineAPI(Protocol):
 
     def export_adapter(self, adapter_id: str, folder: Path, *, with_optimizer: bool) -> None: ...
 
-    @changes_adapter
+    @sets_weights
     def import_adapter(
         self, adapter_id: str, base_model: str, folder: Path, *, with_optimizer: bool
     ) -> None: ...

@@ -105,3 +105,28 @@ def test_a_call_the_interface_does_not_mark_is_never_sent() -> None:
     with pytest.raises(AssertionError, match="export_adapter is not marked changes_adapter"):
         executor._mirror("export_adapter", "a")
     assert executor.sent == []
+
+
+def test_the_facade_names_each_of_its_names_once_and_each_loads() -> None:
+    """treadle.engine's `__all__` and its lazy table name the same names, and each loads from
+    the module the table gives."""
+    import treadle.engine as facade
+
+    assert sorted(facade.__all__) == sorted(facade._WHERE)
+    for name in facade.__all__:
+        assert getattr(facade, name) is not None, name
+
+
+def test_the_calls_that_set_weights_are_marked_and_compared_across_ranks() -> None:
+    """After these every rank's weight hash is compared (`executor.SETS_WEIGHTS`): the marker
+    names them, and each is mirrored."""
+    from treadle.engine.distributed.executor import SETS_WEIGHTS
+    from treadle.engine.protocol import weight_setting_calls
+
+    assert weight_setting_calls() == {
+        "create_adapter",
+        "set_adapter_weights",
+        "optim_step",
+        "import_adapter",
+    }
+    assert weight_setting_calls() == SETS_WEIGHTS and adapter_calls() >= SETS_WEIGHTS

@@ -38,18 +38,20 @@ from treadle.engine.protocol import (
     Interrupt,
     Topology,
     adapter_calls,
+    decode_all,
+    weight_setting_calls,
 )
-from treadle.engine.sampling.decode import SampleRequest, decode_all
+from treadle.engine.sampling.decode import SampleRequest
 from treadle.engine.sampling.rules import SampleResult
 
-__all__ = ["MIRRORED", "GroupExecutor", "follow"]
+__all__ = ["MIRRORED", "SETS_WEIGHTS", "GroupExecutor", "follow"]
 
 log = logging.getLogger(__name__)
 
 # The calls every rank runs: those `protocol.EngineAPI` marks as changing an adapter.
 MIRRORED = adapter_calls()
-# Mirrored calls after which every rank's adapter weights are compared (by hash).
-_SETS_WEIGHTS = frozenset({"create_adapter", "set_adapter_weights", "optim_step", "import_adapter"})
+# Mirrored calls after which every rank's adapter weights are compared (by hash): `sets_weights`.
+SETS_WEIGHTS = weight_setting_calls()
 _CLOSE = "__close__"
 _PING = "__ping__"
 
@@ -256,7 +258,7 @@ def _run(
     except Exception as exc:  # noqa: BLE001  # compared below, then raised on rank 0
         error = exc
     weights = None
-    if error is None and name in _SETS_WEIGHTS:
+    if error is None and name in SETS_WEIGHTS:
         weights = engine.weight_hash(args[0] if args else kwargs["adapter_id"])
     outcome = (type(error).__name__ if error is not None else None, weights)
     every = gather(outcome)

@@ -44,7 +44,7 @@ from treadle.engine.sampling.rules import (
     sampling_logits,
     stop_rules,
 )
-from treadle.platform.errors import NotFoundError, ValidationError
+from treadle.platform.errors import ValidationError
 
 __all__ = ["DecodeBatch", "SampleJob", "SampleRequest", "generate_batch"]
 
@@ -469,36 +469,3 @@ def _spans(owner_R: list[Key]) -> list[tuple[Key, slice]]:
             spans.append((owner_R[start], slice(start, i)))
             start = i
     return spans
-
-
-class _Batch(Protocol):
-    def __len__(self) -> int: ...
-
-    def add(self, requests: Sequence[tuple[Key, SampleRequest]]) -> Finished: ...
-
-    def step(self, interrupt: Callable[[], None] | None = None) -> Finished: ...
-
-
-def decode_all(
-    open_batch: Callable[[str], _Batch],
-    requests: Sequence[SampleRequest],
-    interrupt: Callable[[], None] | None = None,
-) -> list[SampleResult | Exception]:
-    """Every request's result or its error, decoded in one batch per base model (`open_batch`
-    opens one); a request's tokens and logprobs do not depend on the others. `interrupt` is
-    called before each decoding step and what it raises ends the call; each request's own
-    `interrupt` ends only that request, with what it raised as its result."""
-    results: dict[Key, SampleResult | Exception] = {}
-    by_base: dict[str, list[tuple[Key, SampleRequest]]] = {}
-    for i, request in enumerate(requests):
-        by_base.setdefault(request.base_model, []).append((i, request))
-    for base_model, keyed in by_base.items():
-        try:
-            batch = open_batch(base_model)
-        except (ValidationError, NotFoundError) as exc:
-            results.update((i, exc) for i, _ in keyed)
-            continue
-        results.update(batch.add(keyed))
-        while len(batch):
-            results.update(batch.step(interrupt))
-    return [results[i] for i in range(len(requests))]
