@@ -86,7 +86,9 @@ def test_free_pages_go_back_only_past_the_limit() -> None:
     free, kept_drop, kept, released_drop, released = _run(RELEASED)
     assert int(free) >= 2**26  # the 64 MiB block stayed in the heap, free
     assert kept == "True" and int(kept_drop) < 2**20  # under the limit: its pages stay
-    assert released == "True" and int(released_drop) >= 2**26  # past it: handed back
+    # Past it: handed back, all but the page or two that hold the free block's boundary tags
+    # (trimming frees whole pages only) and what the interpreter faults in meanwhile.
+    assert released == "True" and int(released_drop) >= 2**26 - 2**20
 
 
 def test_glibc_tunables_in_the_environment_win() -> None:
