@@ -288,6 +288,7 @@ class Engine:
                 vocab_size=base.model.config.vocab_size,
                 max_context_length=base.info.max_context_length,
                 config=config,
+                model_name=base.info.name,
             )
             outputs, total = training.forward_backward(
                 base,
@@ -408,6 +409,7 @@ class Engine:
             request.params,
             vocab_size=base.model.config.vocab_size,
             max_context_length=base.info.max_context_length,
+            model_name=base.info.name,
             scoring=request.scoring,
             topk_sample_logprobs=request.topk_sample_logprobs,
         )

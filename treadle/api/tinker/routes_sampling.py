@@ -112,6 +112,7 @@ def asample() -> Any:
         tokens,
         model,
         prompt_logprobs=body.prompt_logprobs,
+        topk=body.topk_prompt_logprobs,
         last_n=body.prompt_logprobs_last_n,
         alt_tokens_k=body.prompt_alt_tokens_k,
         targets=None if targets is None else targets.model_dump(),

@@ -1,12 +1,13 @@
-"""Training losses, by name, and the validation of the data they consume.
+"""Training losses, by name, and the arrays of the data they consume.
 
 Owns `EngineDatum`, the loss functions (`cross_entropy`, `importance_sampling`, `ppo`, `cispo`,
 `dro`, `gspo`, `stable_reinforce`; their names, inputs and config ranges are
-`treadle.platform.models.losses`'), every check on a datum's tokens and `loss_fn_inputs`, and the
-padded batch forward pass that turns validated data into logprobs (in chunks of the vocabulary's
-logits: `chunked_logprobs`) and losses. A loss maps the target-token logprobs `lp` of the current
-model to an elementwise loss; the total is its sum over tokens and datums (normalising is the
-client's job). Formulas and their sources: docs/losses-and-sampling.md.
+`treadle.platform.models.losses`'), the arrays a datum becomes once the platform's rules have
+checked it (`validation.check_datum`, as admission does), and the padded batch forward pass that
+turns them into logprobs (in chunks of the vocabulary's logits: `chunked_logprobs`) and losses. A
+loss maps the target-token logprobs `lp` of the current model to an elementwise loss; the total is
+its sum over tokens and datums (normalising is the client's job). Formulas and their sources:
+docs/losses-and-sampling.md.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -27,13 +28,8 @@ from treadle.engine.losses.chunked_logprobs import (
     wants_checkpointing,
 )
 from treadle.platform.errors import ValidationError
-from treadle.platform.models.losses import (
-    LOSS_SPECS,
-    LossSpec,
-    check_config_values,
-    get_loss_spec,
-    resolve_config,
-)
+from treadle.platform.models import validation
+from treadle.platform.models.losses import LOSS_SPECS, LossSpec, get_loss_spec, resolve_config
 
 __all__ = [
     "LOSSES",
@@ -190,9 +186,11 @@ def validate_data(
     vocab_size: int,
     max_context_length: int,
     config: Mapping[str, float] | None = None,
+    model_name: str = "the model",
 ) -> list[dict[str, np.ndarray]]:
-    """Check every datum for `loss`; return per datum its arrays (`tokens` and `target_tokens`
-    int64, float inputs float32), all of length T. A per-token config input (e.g. ppo's
+    """Every datum checked for `loss` by the platform's rules (`validation.check_datum`, the
+    ones admission runs); per datum its arrays (`tokens` and `target_tokens` int64, float
+    inputs float32), all of length T. A per-token config input (e.g. ppo's
     `clip_low_threshold`) a datum does not send is filled with `config`'s value (the loss's
     default where `config` lacks it); an optional input (the RL losses' `weights`), with the
     value its specification gives (1.0 for `weights`).
@@ -202,67 +200,30 @@ def validate_data(
     if not data:
         raise ValidationError("data is empty; send at least one datum")
     resolved = resolve_config(loss.spec, config)
-    return [
-        _validate_datum(i, d, loss, vocab_size, max_context_length, resolved)
-        for i, d in enumerate(data)
-    ]
+    limits = validation.Limits(model_name, vocab_size, max_context_length)
+    return [_arrays(i, d, loss, limits, resolved) for i, d in enumerate(data)]
 
 
-def _validate_datum(
+def _arrays(
     i: int,
     datum: EngineDatum,
     loss: LossFn,
-    vocab_size: int,
-    max_context_length: int,
+    limits: validation.Limits,
     config: Mapping[str, float],
 ) -> dict[str, np.ndarray]:
-    n_tokens = len(datum.tokens)
-    if n_tokens == 0:
-        raise ValidationError(f"datum {i}: model_input is empty; send at least one token")
-    if n_tokens > max_context_length:
-        raise ValidationError(
-            f"datum {i}: model_input has {n_tokens} tokens but the model's maximum context is "
-            f"{max_context_length}; shorten or split the sequence"
-        )
-    arrays = {"tokens": _token_array(i, "model_input", datum.tokens, vocab_size)}
-    missing = [name for name in loss.inputs if name not in datum.loss_fn_inputs]
-    if missing:
-        raise ValidationError(
-            f"datum {i}: loss_fn_inputs lacks {missing}; loss {loss.name!r} needs "
-            f"{list(loss.inputs)}"
-        )
-    unknown = sorted(set(datum.loss_fn_inputs) - set(loss.spec.accepted_inputs))
-    if unknown:
-        raise ValidationError(
-            f"datum {i}: loss_fn_inputs has {unknown}, which loss {loss.name!r} does not read; "
-            f"remove them (it reads {list(loss.spec.accepted_inputs)})"
-        )
+    tokens = np.asarray(datum.tokens)
+    inputs = {name: np.asarray(value) for name, value in datum.loss_fn_inputs.items()}
+    validation.check_datum(i, tokens, inputs, loss.spec, limits)
+    arrays = {"tokens": tokens.astype(np.int64)}
     for name in loss.spec.accepted_inputs:
         if name in loss.spec.ignored_inputs:
             continue
-        if name not in datum.loss_fn_inputs:  # optional: its default, or the config's value
+        if name not in inputs:  # optional: its default, or the config's value
             fill = loss.spec.optional_inputs.get(name, config.get(name))
             assert fill is not None, f"{name} is neither optional nor a per-token config key"
-            arrays[name] = np.full(n_tokens, fill, np.float32)
+            arrays[name] = np.full(tokens.size, fill, np.float32)
             continue
-        value = np.asarray(datum.loss_fn_inputs[name])
-        if value.ndim != 1 or value.shape[0] != n_tokens:
-            raise ValidationError(
-                f"datum {i}: {name} has shape {list(value.shape)} but model_input has {n_tokens} "
-                f"tokens; it must be a flat array of {n_tokens} entries"
-            )
-        if name == "target_tokens":
-            arrays[name] = _token_array(i, name, value, vocab_size)
-            continue
-        if not (np.issubdtype(value.dtype, np.number) and np.isfinite(value).all()):
-            raise ValidationError(f"datum {i}: {name} must hold finite numbers only")
-        if name in loss.spec.per_token_config:
-            check_config_values(loss.spec, name, value.tolist(), where=f"datum {i}: {name}")
-        if name in loss.spec.nonzero_inputs and not value.any():
-            raise ValidationError(
-                f"datum {i}: {name} marks no token; give at least one token a nonzero value"
-            )
-        arrays[name] = value.astype(np.float32)
+        arrays[name] = inputs[name].astype(np.int64 if name == "target_tokens" else np.float32)
     if loss.spec.reads_provenance:
         arrays.update(_recorded_arrays(i, datum, loss, arrays["advantages"]))
     return arrays
@@ -272,45 +233,19 @@ def _recorded_arrays(
     i: int, datum: EngineDatum, loss: LossFn, advantages: np.ndarray
 ) -> dict[str, np.ndarray]:
     """`sampler_logprobs` (0 where not sampled) and `sampled_mask` from the recorded logprobs
-    the API resolved from the datum's provenance; a nonzero advantage on a target that was not
-    sampled is refused (it has no sampler logprob to weigh it by)."""
+    the API resolved from the datum's provenance (NaN where a target was not sampled)."""
     if datum.sampler_logprobs is None:
         raise ValidationError(
             f"datum {i}: loss {loss.name!r} reads the sampler logprobs the platform recorded, "
             "and this datum names no recorded sequence; build it with Datum.with_provenance"
         )
     recorded = np.asarray(datum.sampler_logprobs, np.float32)
-    if recorded.shape != advantages.shape:
-        raise ValidationError(
-            f"datum {i}: its recorded logprobs cover {recorded.size} targets, not {advantages.size}"
-        )
     sampled = np.isfinite(recorded)
-    unweighable = np.flatnonzero(~sampled & (advantages != 0))
-    if unweighable.size:
-        j = int(unweighable[0])
-        raise ValidationError(
-            f"datum {i}: advantages[{j}] is nonzero but target {j} is a prompt token, not a "
-            f"sampled one; {loss.name} weighs sampled tokens only: give prompt tokens advantage 0"
-        )
+    validation.check_sampled_advantages(i, sampled, advantages, loss.spec)
     return {
         "sampler_logprobs": np.where(sampled, recorded, 0.0).astype(np.float32),
         "sampled_mask": sampled.astype(np.float32),
     }
-
-
-def _token_array(i: int, name: str, values: object, vocab_size: int) -> np.ndarray:
-    tokens = np.asarray(values)
-    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-        raise ValidationError(f"datum {i}: {name} must hold integer token ids, got {tokens.dtype}")
-    tokens = tokens.astype(np.int64)
-    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
-    if bad.size:
-        j = int(bad[0])
-        raise ValidationError(
-            f"datum {i}: {name}[{j}] = {int(tokens[j])} is not a token id of this model; "
-            f"ids must be in [0, {vocab_size})"
-        )
-    return tokens
 
 
 def microbatches(

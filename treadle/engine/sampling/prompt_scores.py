@@ -2,11 +2,11 @@
 
 Owns `PromptScoring` (the request: prompt logprobs, their top-k, only the last N of them, the
 logprobs of chosen token ids, alternative tokens drawn at each position), `PromptTargets` (the
-chosen ids, dense or sparse CSR as the client sent them), their validation, and `score_prompt`,
-which turns the prefill's logits into `PromptScores`. Position i of the prompt (1 <= i < P) is
-scored from the logits after prompt[:i]; position 0 has no context. Every logprob here is under
-softmax(logits) (temperature 1), as `compute_logprobs` reports; only the alternative tokens'
-draws use the request's temperature. Must not import flask, sqlalchemy, celery or treadle.api.
+chosen ids, dense or sparse CSR as the client sent them; the platform's rules check them) and
+`score_prompt`, which turns the prefill's logits into `PromptScores`. Position i of the prompt
+(1 <= i < P) is scored from the logits after prompt[:i]; position 0 has no context. Every logprob
+here is under softmax(logits) (temperature 1), as `compute_logprobs` reports; only the
+alternative tokens' draws use the request's temperature. Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treadle.platform.errors import ValidationError
-
-__all__ = ["PromptScores", "PromptScoring", "PromptTargets", "score_prompt", "validate_scoring"]
+__all__ = ["PromptScores", "PromptScoring", "PromptTargets", "score_prompt"]
 
 _ROWS_PER_PASS = 256  # bounds the float32 [rows, V] temporaries
 
@@ -77,69 +75,6 @@ class PromptScores:
     target_logprobs: list[float] | None = None
     alt_tokens: list[list[int]] | None = None
     alt_logprobs: list[list[float]] | None = None
-
-
-def validate_scoring(scoring: PromptScoring, prompt_length: int, vocab_size: int) -> None:
-    """ValidationError saying what is wrong with `scoring` for this prompt, and how to fix it."""
-    if not 0 <= scoring.topk <= vocab_size:
-        raise ValidationError(
-            f"topk_prompt_logprobs is {scoring.topk}; it must be between 0 (off) and the "
-            f"vocabulary size {vocab_size}"
-        )
-    if scoring.last_n is not None:
-        if not (scoring.logprobs or scoring.topk):
-            raise ValidationError(
-                "prompt_logprobs_last_n applies to prompt logprobs; ask for prompt_logprobs too"
-            )
-        if not 1 <= scoring.last_n <= prompt_length - 1:
-            raise ValidationError(
-                f"prompt_logprobs_last_n is {scoring.last_n}; it must be between 1 and "
-                f"len(prompt) - 1 = {prompt_length - 1}"
-            )
-    if scoring.alt_k < 0:
-        raise ValidationError(f"prompt_alt_tokens_k is {scoring.alt_k}; use 0 (off) or more")
-    if scoring.targets is not None:
-        _validate_targets(scoring.targets, prompt_length, vocab_size)
-
-
-def _validate_targets(t: PromptTargets, prompt_length: int, vocab_size: int) -> None:
-    where = "target_prompt_logprobs"
-    if t.rows != prompt_length - 1 or t.k < 1:
-        raise ValidationError(
-            f"{where} has shape [{t.rows}, {t.k}]; it must be [len(prompt) - 1, K] = "
-            f"[{prompt_length - 1}, K] with K >= 1 (row i scores prompt position i + 1)"
-        )
-    if t.crow_indices is None:
-        if len(t.ids) != t.rows * t.k:
-            raise ValidationError(
-                f"{where} holds {len(t.ids)} ids but its shape [{t.rows}, {t.k}] needs "
-                f"{t.rows * t.k}"
-            )
-    else:
-        crow, col = np.asarray(t.crow_indices), np.asarray(t.col_indices or (), np.int64)
-        if (
-            crow.size != t.rows + 1
-            or crow[0] != 0
-            or (np.diff(crow) < 0).any()
-            or crow[-1] != col.size
-            or col.size != len(t.ids)
-        ):
-            raise ValidationError(
-                f"{where} is sparse CSR but its indices do not fit: crow_indices needs "
-                f"{t.rows + 1} entries from 0, never decreasing, ending at the number of "
-                "col_indices, and data needs one id per column index"
-            )
-        if col.size and (col.min() < 0 or col.max() >= t.k):
-            raise ValidationError(f"{where} has a column index outside [0, {t.k})")
-    ids = np.asarray(t.ids, np.int64)
-    bad = np.flatnonzero((ids < -1) | (ids >= vocab_size))
-    if bad.size:
-        raise ValidationError(
-            f"{where} holds {int(ids[bad[0]])}, not a token id of this model; use ids in "
-            f"[0, {vocab_size}), or -1 for a cell that asks for nothing"
-        )
-    if not (ids >= 0).any():
-        raise ValidationError(f"{where} names no token id (every cell is -1); name at least one")
 
 
 def score_prompt(

@@ -1,28 +1,23 @@
 """What a sample request is and how one decoding step chooses its tokens.
 
-Owns `SamplingSpec`, the sample results, their validation and the per-step rules: temperature,
-top-k, top-p, a seeded draw per request (`choose`), stop tokens/strings (`stop_rules`). The decode
-loop that runs many requests together with a KV cache is `batching`'s. Must not import flask,
-sqlalchemy, celery or treadle.api.
+Owns `SamplingSpec`, the sample results, the check of a request (the platform's rules, the ones
+admission runs) and the per-step rules: temperature, top-k, top-p, a seeded draw per request
+(`choose`), stop tokens/strings (`stop_rules`). The decode loop that runs many requests together
+with a KV cache is `decode`'s. Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from treadle.engine.sampling.prompt_scores import (
-    PromptScoring,
-    PromptTargets,
-    validate_scoring,
-)
-from treadle.platform.errors import ValidationError
-from treadle.platform.models.validation import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
+from treadle.engine.sampling.prompt_scores import PromptScoring, PromptTargets
+from treadle.platform.models import validation
 
 __all__ = [
     "PromptScoring",
@@ -92,58 +87,38 @@ def validate_sampling(
     *,
     vocab_size: int,
     max_context_length: int,
+    model_name: str = "the model",
     scoring: PromptScoring | None = None,
     topk_sample_logprobs: int = 0,
 ) -> list[int]:
-    """`prompt` as a list of ints; ValidationError saying what is wrong with the request, and
-    how to fix it, otherwise."""
-    if len(prompt) == 0:
-        raise ValidationError("prompt is empty; send at least one token")
-    tokens: list[int] = []
-    for j, token in enumerate(prompt):
-        try:
-            tokens.append(operator.index(token))
-        except TypeError:
-            raise ValidationError(f"prompt[{j}] = {token!r} is not an integer token id") from None
-        if not 0 <= tokens[-1] < vocab_size:
-            raise ValidationError(
-                f"prompt[{j}] = {tokens[-1]} is not a token id of this model; ids must be in "
-                f"[0, {vocab_size})"
-            )
-    if num_samples < 1:
-        raise ValidationError(f"num_samples is {num_samples}; it must be at least 1")
-    validate_scoring(scoring or PromptScoring(), len(tokens), vocab_size)
-    if not 0 <= topk_sample_logprobs <= vocab_size:
-        raise ValidationError(
-            f"topk_sample_logprobs is {topk_sample_logprobs}; it must be between 0 (off) and "
-            f"the vocabulary size {vocab_size}"
+    """`prompt` as a list of ints, once the platform's rules (the ones admission runs) pass;
+    ValidationError saying what is wrong with the request, and how to fix it, otherwise."""
+    limits = validation.Limits(model_name, vocab_size, max_context_length)
+    tokens = np.asarray(prompt)
+    validation.check_prompt(tokens, params.max_tokens, limits)
+    validation.check_sampling(
+        num_samples,
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.seed,
+        _stop_tuple(params.stop) or (),
+    )
+    scoring = scoring or PromptScoring()
+    validation.check_prompt_scoring(
+        tokens.size,
+        limits,
+        logprobs=scoring.logprobs,
+        topk=scoring.topk,
+        last_n=scoring.last_n,
+        alt_k=scoring.alt_k,
+        topk_sample=topk_sample_logprobs,
+    )
+    if (t := scoring.targets) is not None:
+        validation.check_prompt_targets(
+            tokens.size, (t.rows, t.k), t.ids, t.crow_indices, t.col_indices, limits
         )
-    if params.max_tokens < 0:
-        raise ValidationError(f"max_tokens is {params.max_tokens}; it must be 0 or more")
-    if len(prompt) + params.max_tokens > max_context_length:
-        raise ValidationError(
-            f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-            f"model's maximum context of {max_context_length}; shorten one of them"
-        )
-    # The API refuses these first (the same limits, treadle/platform/models/validation.py); the engine
-    # checks again because what it is given must never become a server error.
-    if not (params.temperature == 0.0 or MIN_TEMPERATURE <= params.temperature <= MAX_TEMPERATURE):
-        raise ValidationError(
-            f"temperature is {params.temperature}; use 0 (greedy) or a value in "
-            f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]"
-        )
-    if params.top_k < -1:
-        raise ValidationError(f"top_k is {params.top_k}; use -1 for no limit or a positive k")
-    if not MIN_TOP_P <= params.top_p <= 1.0:
-        raise ValidationError(f"top_p is {params.top_p}; it must be in [{MIN_TOP_P}, 1]")
-    if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
-        raise ValidationError(f"seed is {params.seed}; it must be in [0, 2**64 - 1]")
-    stop = _stop_tuple(params.stop) or ()
-    if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) for s in stop)):
-        raise ValidationError("stop must be all strings or all token ids, not a mix")
-    if any(isinstance(s, str) and not s for s in stop):
-        raise ValidationError("stop holds an empty string; remove it")
-    return tokens
+    return [int(token) for token in tokens]
 
 
 def cache_kwarg(model: PreTrainedModel) -> str:

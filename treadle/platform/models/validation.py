@@ -1,17 +1,24 @@
-"""Admission checks for training payloads, run by the API before anything is appended, and the
-limits every request is held to (docs/api.md, "Limits", lists them).
+"""The checks on what a request asks of a model, and the limits every request is held to
+(docs/api.md, "Limits", lists them): one implementation of each rule.
 
-The loss table says which `loss_fn_inputs` and `loss_fn_config` keys each loss takes; the checks
-name the datum and the field, and say how to fix it. The limits are checked at the edge (the API's
-body reader, request schemas and protobuf decoder) before anything is allocated in proportion to
-what a request declares; the engine re-checks what it relies on.
-Imports nothing from api, engine, worker or torch.
+The API calls them at admission, before anything is appended (`validate_forward_backward`,
+`validate_prompt`, ...: the payloads as the wire decoders hand them over); the engine calls the
+same rules (`check_datum`, `check_prompt`, `check_sampling`, ...) on the arrays it is given, because
+what reaches it must never become a server error, whoever calls it. The loss table says which
+`loss_fn_inputs` and `loss_fn_config` keys each loss takes; a message names the datum and the
+field, and says how to fix it. The size limits are checked at the edge (the API's body reader,
+request schemas and protobuf decoder) before anything is allocated in proportion to what a request
+declares. Changes nothing it is given. Imports nothing from api, engine, worker or torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
 
 from treadle.platform.errors import ValidationError
 from treadle.platform.models.catalog import BaseModelInfo
@@ -78,12 +85,33 @@ MAX_TARGET_PROMPT_K = 1024
 MAX_TARGET_PROMPT_CELLS = 2**18
 
 
+class ModelLimits(Protocol):
+    """What a request is checked against: a `BaseModelInfo`, or `Limits` where only the numbers
+    are known."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_context_length(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    name: str
+    vocab_size: int
+    max_context_length: int
+
+
+# -- forward_backward ------------------------------------------------------------------------
+
+
 def validate_forward_backward(
     payload: Mapping[str, Any], model: BaseModelInfo
 ) -> tuple[LossSpec, dict[str, float]]:
-    """Check a decoded forward_backward payload, changing nothing in it. Returns the loss's
-    specification and its config with the loss's defaults filled in (what the operation
-    records)."""
+    """Check a decoded forward_backward payload. Returns the loss's specification and its
+    config with the loss's defaults filled in (what the operation records)."""
     spec = get_loss_spec(payload["loss_fn"])
     config = dict(resolve_config(spec, payload["loss_fn_config"]))
     data = payload["data"]
@@ -92,13 +120,44 @@ def validate_forward_backward(
     if len(data) > MAX_DATUMS:
         raise ValidationError(f"{len(data)} datums in one request; send at most {MAX_DATUMS}")
     for i, datum in enumerate(data):
-        _validate_datum(i, datum, spec, model)
+        inputs = {name: _array(i, name, t) for name, t in datum["loss_fn_inputs"].items()}
+        check_datum(i, _array_of(datum["tokens"], "int64"), inputs, spec, model)
     return spec, config
 
 
-def _validate_datum(i: int, datum: Mapping[str, Any], spec: LossSpec, model: BaseModelInfo) -> None:
-    tokens = datum["tokens"]
-    n = len(tokens)
+def _array(i: int, name: str, tensor: Mapping[str, Any]) -> np.ndarray:
+    """A decoded TensorData (dtype, shape, flat data) as the array it describes."""
+    if tensor["dtype"] not in ("int64", "float32"):
+        raise ValidationError(
+            f"datum {i}: {name} has dtype {tensor['dtype']!r}; send int64 or float32"
+        )
+    shape = tensor["shape"] or [len(tensor["data"])]
+    if math.prod(shape) != len(tensor["data"]):
+        raise ValidationError(
+            f"datum {i}: {name} has {len(tensor['data'])} values but its shape {shape} holds "
+            f"{math.prod(shape)}; its data must match its shape"
+        )
+    return _array_of(tensor["data"], tensor["dtype"]).reshape(shape)
+
+
+def _array_of(values: Sequence[Any], dtype: str) -> np.ndarray:
+    try:
+        return np.asarray(values, np.dtype(dtype))
+    except OverflowError:  # an id past 64 bits stays a Python int, for the vocabulary's check
+        return np.asarray(values, object)
+
+
+def check_datum(
+    i: int,
+    tokens: np.ndarray,
+    inputs: Mapping[str, np.ndarray],
+    spec: LossSpec,
+    model: ModelLimits,
+) -> None:
+    """Datum `i` of a forward_backward for loss `spec`: its tokens fit the model, and its
+    `loss_fn_inputs` are the ones the loss reads, each 1-D, one entry per token, of its dtype
+    (`target_tokens` int64 token ids, the rest finite float32), within its per-token range."""
+    n = tokens.size
     if n == 0:
         raise ValidationError(f"datum {i}: model_input is empty; give it at least one token")
     if n > model.max_context_length:
@@ -106,16 +165,13 @@ def _validate_datum(i: int, datum: Mapping[str, Any], spec: LossSpec, model: Bas
             f"datum {i}: model_input has {n} tokens but {model.name} takes at most "
             f"{model.max_context_length}; shorten or split it"
         )
-    bad = next((t for t in tokens if not 0 <= t < model.vocab_size), None)
-    if bad is not None:
+    check_token_ids(f"datum {i}: model_input", "model_input", tokens, model)
+    missing = [name for name in spec.inputs if name not in inputs]
+    if missing:
         raise ValidationError(
-            f"datum {i}: model_input has token id {bad}, outside the vocabulary "
-            f"[0, {model.vocab_size}) of {model.name}"
+            f"datum {i}: loss_fn_inputs is missing {missing[0]!r}: loss {spec.name!r} needs "
+            f"{list(spec.inputs)}, and the datum lacks {missing}"
         )
-    inputs = datum["loss_fn_inputs"]
-    missing = next((name for name in spec.inputs if name not in inputs), None)
-    if missing is not None:
-        raise ValidationError(f"datum {i}: loss_fn_inputs is missing {missing!r}")
     unknown = sorted(set(inputs) - set(spec.accepted_inputs))
     if unknown:
         raise ValidationError(
@@ -123,62 +179,131 @@ def _validate_datum(i: int, datum: Mapping[str, Any], spec: LossSpec, model: Bas
             f"remove them (it reads {list(spec.accepted_inputs)})"
         )
     for name in spec.accepted_inputs:
-        if name not in inputs:
-            continue
-        tensor = inputs[name]
-        expected = "int64" if name == "target_tokens" else "float32"
-        if tensor["dtype"] != expected:
-            raise ValidationError(f"datum {i}: {name} must be {expected}, got {tensor['dtype']}")
-        if tensor["shape"] != [n]:
-            raise ValidationError(
-                f"datum {i}: {name} has shape {tensor['shape']} but model_input has {n} tokens; "
-                f"it must be 1-D with {n} entries"
-            )
-        if name in spec.per_token_config:
-            check_config_values(spec, name, tensor["data"], where=f"datum {i}: {name}")
-        if name in spec.nonzero_inputs and not any(tensor["data"]):
-            raise ValidationError(
-                f"datum {i}: {name} marks no token; give at least one token a nonzero value"
-            )
-    if "target_tokens" in inputs:
-        bad = next(
-            (t for t in inputs["target_tokens"]["data"] if not 0 <= t < model.vocab_size), None
+        if name in inputs:
+            _check_input(i, name, inputs[name], n, spec, model)
+
+
+def _check_input(
+    i: int, name: str, value: np.ndarray, n: int, spec: LossSpec, model: ModelLimits
+) -> None:
+    ids = name == "target_tokens"
+    kind = np.integer if ids else np.floating
+    if value.size and not np.issubdtype(value.dtype, kind):
+        raise ValidationError(
+            f"datum {i}: {name} must be {'int64' if ids else 'float32'}, got {value.dtype}"
         )
-        if bad is not None:
-            raise ValidationError(
-                f"datum {i}: target_tokens has token id {int(bad)}, outside the vocabulary "
-                f"[0, {model.vocab_size}) of {model.name}"
-            )
+    if value.shape != (n,):
+        raise ValidationError(
+            f"datum {i}: {name} has shape {list(value.shape)} but model_input has {n} tokens; "
+            f"it must be 1-D with {n} entries"
+        )
+    if ids:
+        check_token_ids(f"datum {i}: {name}", name, value, model)
+        return
+    if not np.isfinite(value).all():
+        raise ValidationError(f"datum {i}: {name} must hold finite numbers only")
+    if name in spec.per_token_config:
+        check_config_values(spec, name, value.tolist(), where=f"datum {i}: {name}")
+    if name in spec.nonzero_inputs and not value.any():
+        raise ValidationError(
+            f"datum {i}: {name} marks no token; give at least one token a nonzero value"
+        )
+
+
+def check_token_ids(where: str, name: str, ids: np.ndarray, model: ModelLimits) -> None:
+    """Every entry of `ids` (called `name`) an integer in [0, vocabulary)."""
+    integer = np.issubdtype(ids.dtype, np.integer) or (
+        ids.dtype == object and all(isinstance(v, int) for v in ids.flat)
+    )
+    if ids.size and not integer:
+        raise ValidationError(f"{where} must hold integer token ids, got {ids.dtype}")
+    bad = np.flatnonzero((ids < 0) | (ids >= model.vocab_size))
+    if bad.size:
+        j = int(bad[0])
+        raise ValidationError(
+            f"{where} has token id {int(ids[j])} at {name}[{j}], outside the vocabulary "
+            f"[0, {model.vocab_size}) of {model.name}"
+        )
 
 
 def validate_sampled_advantages(data: list[dict[str, Any]], spec: LossSpec) -> None:
-    """A loss that reads provenance weighs sampled targets only: a nonzero advantage on a
-    target that is a prompt token (recorded logprob None) is refused."""
+    """`check_sampled_advantages` on each datum of a payload whose provenance was resolved (a
+    recorded logprob None: a prompt token)."""
     for i, datum in enumerate(data):
         recorded = datum["provenance"]["sampler_logprobs"]
-        advantages = datum["loss_fn_inputs"]["advantages"]["data"]
-        j = next((j for j, q in enumerate(recorded) if q is None and advantages[j] != 0), None)
-        if j is not None:
-            raise ValidationError(
-                f"datum {i}: advantages[{j}] is {advantages[j]} but target {j} is a prompt token "
-                f"(its provenance is a prompt span), not a sampled one; {spec.name} weighs "
-                "sampled tokens only: give prompt tokens advantage 0"
-            )
+        sampled = np.asarray([q is not None for q in recorded], bool)
+        advantages = np.asarray(datum["loss_fn_inputs"]["advantages"]["data"], np.float64)
+        check_sampled_advantages(i, sampled, advantages, spec)
+
+
+def check_sampled_advantages(
+    i: int, sampled: np.ndarray, advantages: np.ndarray, spec: LossSpec
+) -> None:
+    """A loss that reads provenance weighs sampled targets only: a nonzero advantage on a target
+    that was not sampled (a prompt token: it has no sampler logprob to weigh it by) is refused."""
+    if sampled.shape != advantages.shape:
+        raise ValidationError(
+            f"datum {i}: its recorded logprobs cover {sampled.size} targets, not {advantages.size}"
+        )
+    unweighable = np.flatnonzero(~sampled & (advantages != 0))
+    if unweighable.size:
+        j = int(unweighable[0])
+        raise ValidationError(
+            f"datum {i}: advantages[{j}] is nonzero ({float(advantages[j])}) but target {j} is a "
+            "prompt token (its provenance is a prompt span), not a sampled one; "
+            f"{spec.name} weighs sampled tokens only: give prompt tokens advantage 0"
+        )
+
+
+# -- sampling --------------------------------------------------------------------------------
 
 
 def validate_prompt(tokens: list[int], model: BaseModelInfo, max_tokens: int) -> None:
-    if not tokens:
+    check_prompt(_array_of(tokens, "int64"), max_tokens, model)
+
+
+def check_prompt(tokens: np.ndarray, max_tokens: int, model: ModelLimits) -> None:
+    """A prompt of token ids of the model with room for `max_tokens` after it."""
+    if tokens.size == 0:
         raise ValidationError("the prompt is empty; give it at least one token")
-    bad = next((t for t in tokens if not 0 <= t < model.vocab_size), None)
-    if bad is not None:
+    check_token_ids("prompt", "prompt", tokens, model)
+    if max_tokens < 0:
+        raise ValidationError(f"max_tokens is {max_tokens}; it must be 0 or more")
+    if tokens.size + max_tokens > model.max_context_length:
         raise ValidationError(
-            f"prompt has token id {bad}, outside the vocabulary [0, {model.vocab_size}) of {model.name}"
+            f"prompt ({tokens.size} tokens) plus max_tokens ({max_tokens}) exceeds the context of "
+            f"{model.name}, whose maximum context is {model.max_context_length} tokens; shorten "
+            "the prompt or lower max_tokens"
         )
-    if len(tokens) + max_tokens > model.max_context_length:
+
+
+def check_sampling(
+    num_samples: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    stop: Sequence[str] | Sequence[int],
+) -> None:
+    """The sampling parameters within the limits above (the API's request schemas declare the
+    same bounds, so a request that breaks one is refused before it is appended)."""
+    if num_samples < 1:
+        raise ValidationError(f"num_samples is {num_samples}; it must be at least 1")
+    if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
         raise ValidationError(
-            f"prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the context of "
-            f"{model.name} ({model.max_context_length}); shorten the prompt or lower max_tokens"
+            f"temperature is {temperature}; use 0 (greedy) or a value in "
+            f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]"
         )
+    if top_k < -1:
+        raise ValidationError(f"top_k is {top_k}; use -1 for no limit or a positive k")
+    if not MIN_TOP_P <= top_p <= 1.0:
+        raise ValidationError(f"top_p is {top_p}; it must be in [{MIN_TOP_P}, 1]")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise ValidationError(f"seed is {seed}; it must be in [0, 2**64 - 1]")
+    if not (all(isinstance(s, str) for s in stop) or all(isinstance(s, int) for s in stop)):
+        raise ValidationError("stop must be all strings or all token ids, not a mix")
+    if any(isinstance(s, str) and not s for s in stop):
+        raise ValidationError("stop holds an empty string; remove it")
 
 
 def validate_prompt_scoring(
@@ -186,17 +311,53 @@ def validate_prompt_scoring(
     model: BaseModelInfo,
     *,
     prompt_logprobs: bool,
+    topk: int,
     last_n: int | None,
     alt_tokens_k: int,
     targets: Mapping[str, Any] | None,
 ) -> None:
     """The asample options that score the prompt, checked against it before anything is
-    appended: `prompt_logprobs_last_n` in [1, len(prompt) - 1] and with prompt logprobs, the
-    alternative draws bounded, and `target_prompt_logprobs` (its JSON TensorData form) an int64
-    [len(prompt) - 1, K] table of token ids or -1 naming at least one id."""
-    rows = len(tokens) - 1
+    appended; `targets` is `target_prompt_logprobs` in its JSON TensorData form."""
+    check_prompt_scoring(
+        len(tokens), model, logprobs=prompt_logprobs, topk=topk, last_n=last_n, alt_k=alt_tokens_k
+    )
+    if targets is None:
+        return
+    if targets["dtype"] != "int64":
+        raise ValidationError(
+            f"target_prompt_logprobs must be an int64 tensor of token ids, got {targets['dtype']}"
+        )
+    check_prompt_targets(
+        len(tokens),
+        targets["shape"],
+        targets["data"],
+        targets["sparse_crow_indices"],
+        targets["sparse_col_indices"],
+        model,
+    )
+
+
+def check_prompt_scoring(
+    prompt_length: int,
+    model: ModelLimits,
+    *,
+    logprobs: bool,
+    topk: int,
+    last_n: int | None,
+    alt_k: int,
+    topk_sample: int = 0,
+) -> None:
+    """`last_n` in [1, len(prompt) - 1] and with prompt logprobs (or their top-k); top-k counts
+    within the vocabulary; the alternative draws bounded."""
+    rows = prompt_length - 1
+    for name, k in (("topk_prompt_logprobs", topk), ("topk_sample_logprobs", topk_sample)):
+        if not 0 <= k <= model.vocab_size:
+            raise ValidationError(
+                f"{name} is {k}; it must be between 0 (off) and the vocabulary size "
+                f"{model.vocab_size}"
+            )
     if last_n is not None:
-        if not prompt_logprobs:
+        if not (logprobs or topk):
             raise ValidationError(
                 "prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs "
                 "(include_prompt_logprobs=True) too, or omit it"
@@ -206,28 +367,35 @@ def validate_prompt_scoring(
                 f"prompt_logprobs_last_n is {last_n}; it must be between 1 and len(prompt) - 1 "
                 f"= {rows}"
             )
-    if alt_tokens_k and len(tokens) * alt_tokens_k > MAX_PROMPT_ALT_TOKENS:
+    if alt_k < 0:
+        raise ValidationError(f"prompt_alt_tokens_k is {alt_k}; use 0 (off) or more")
+    if prompt_length * alt_k > MAX_PROMPT_ALT_TOKENS:
         raise ValidationError(
-            f"prompt_alt_tokens_k = {alt_tokens_k} draws at each of {len(tokens)} prompt tokens "
+            f"prompt_alt_tokens_k = {alt_k} draws at each of {prompt_length} prompt tokens "
             f"is more than {MAX_PROMPT_ALT_TOKENS} draws; lower it or shorten the prompt"
         )
-    if targets is not None:
-        _validate_targets(targets, rows, model)
 
 
-def _validate_targets(t: Mapping[str, Any], rows: int, model: BaseModelInfo) -> None:
-    where = "target_prompt_logprobs"
-    if t["dtype"] != "int64":
-        raise ValidationError(f"{where} must be an int64 tensor of token ids, got {t['dtype']}")
-    shape = t["shape"]
+def check_prompt_targets(
+    prompt_length: int,
+    shape: Sequence[int] | None,
+    ids: Sequence[int],
+    crow: Sequence[int] | None,
+    col: Sequence[int] | None,
+    model: ModelLimits,
+) -> None:
+    """`target_prompt_logprobs`: an int64 [len(prompt) - 1, K] table of token ids or -1 (row i
+    scores prompt position i + 1), dense (`ids` row-major) or sparse CSR (`crow`, `col`; `ids`
+    holds the listed cells only), naming at least one id."""
+    where, rows = "target_prompt_logprobs", prompt_length - 1
     if shape is None or len(shape) != 2 or shape[0] != rows or shape[1] < 1:
         raise ValidationError(
-            f"{where} has shape {shape}; it must be [len(prompt) - 1, K] = [{rows}, K] with "
-            "K >= 1 (row i scores prompt position i + 1)"
+            f"{where} has shape {None if shape is None else list(shape)}; it must be "
+            f"[len(prompt) - 1, K] = [{rows}, K] with K >= 1 (row i scores prompt position i + 1)"
         )
-    if shape[1] > MAX_TARGET_PROMPT_K:
-        raise ValidationError(f"{where} has {shape[1]} columns; send at most {MAX_TARGET_PROMPT_K}")
-    ids, crow, col = t["data"], t["sparse_crow_indices"], t["sparse_col_indices"]
+    k = shape[1]
+    if k > MAX_TARGET_PROMPT_K:
+        raise ValidationError(f"{where} has {k} columns; send at most {MAX_TARGET_PROMPT_K}")
     if len(ids) > MAX_TARGET_PROMPT_CELLS:
         raise ValidationError(
             f"{where} sends {len(ids)} cells; send at most {MAX_TARGET_PROMPT_CELLS} (a sparse "
@@ -238,29 +406,32 @@ def _validate_targets(t: Mapping[str, Any], rows: int, model: BaseModelInfo) -> 
             f"{where}: sparse_crow_indices and sparse_col_indices come together; send both "
             "(sparse CSR) or neither (dense)"
         )
-    if crow is None and len(ids) != rows * shape[1]:
+    if crow is None and len(ids) != rows * k:
         raise ValidationError(
-            f"{where} holds {len(ids)} ids but its shape {shape} needs {rows * shape[1]}"
+            f"{where} holds {len(ids)} ids but its shape {list(shape)} needs {rows * k}"
         )
-    if crow is not None and (
-        len(crow) != rows + 1
-        or crow[0] != 0
-        or any(b < a for a, b in zip(crow, crow[1:], strict=False))
-        or crow[-1] != len(col)
-        or len(col) != len(ids)
-        or any(not 0 <= c < shape[1] for c in col)
-    ):
+    if crow is not None and col is not None:
+        crow_, col_ = np.asarray(crow, np.int64), np.asarray(col, np.int64)
+        if (
+            crow_.size != rows + 1
+            or crow_[0] != 0
+            or (np.diff(crow_) < 0).any()
+            or crow_[-1] != col_.size
+            or col_.size != len(ids)
+            or (col_.size and (col_.min() < 0 or col_.max() >= k))
+        ):
+            raise ValidationError(
+                f"{where} is sparse CSR but its indices do not fit its shape {list(shape)}: "
+                f"sparse_crow_indices needs {rows + 1} entries from 0, never decreasing, ending "
+                "at the number of sparse_col_indices; each column index must be in [0, K), with "
+                "one id in data per column index"
+            )
+    ids_ = np.asarray(ids, np.int64)
+    bad = np.flatnonzero((ids_ < -1) | (ids_ >= model.vocab_size))
+    if bad.size:
         raise ValidationError(
-            f"{where} is sparse CSR but its indices do not fit its shape {shape}: "
-            f"sparse_crow_indices needs {rows + 1} entries from 0, never decreasing, ending at "
-            "the number of sparse_col_indices; each column index must be in [0, K), with one "
-            "id in data per column index"
-        )
-    bad = next((i for i in ids if not -1 <= i < model.vocab_size), None)
-    if bad is not None:
-        raise ValidationError(
-            f"{where} holds {bad}, not a token id of {model.name}; use ids in "
+            f"{where} holds {int(ids_[bad[0]])}, not a token id of {model.name}; use ids in "
             f"[0, {model.vocab_size}), or -1 for a cell that asks for nothing"
         )
-    if all(i == -1 for i in ids):
+    if not (ids_ >= 0).any():
         raise ValidationError(f"{where} names no token id (every cell is -1); name at least one")
