@@ -227,16 +227,17 @@ ENGINE_PLATFORM = {
     "treadle.platform.models.tokenizers",
     "treadle.platform.models.validation",
 }
-_BELOW_PROTOCOL = {"models", "memory", "optim", "lora", "losses", "sampling"}
+_BELOW_PROTOCOL = {"models", "memory", "optim", "gradients", "lora", "losses", "sampling"}
 ENGINE_LAYERS: dict[str, set[str]] = {
     "models": set(),
     "memory": set(),
     "optim": set(),
+    "gradients": set(),  # the canonical sum of a request's gradient
     "lora": {"models", "memory", "optim"},
     "losses": {"models", "memory", "lora"},
     "sampling": {"models", "memory", "lora", "losses"},
-    "protocol": {"lora", "losses", "optim", "sampling"},  # the interfaces and value types
-    "distributed.group": {"protocol"},  # a Parallelism: ranks, collectives, sharding
+    "protocol": {"gradients", "lora", "losses", "optim", "sampling"},  # interfaces, value types
+    "distributed.group": {"protocol", "gradients"},  # a Parallelism: ranks, collectives, sharding
     "training": _BELOW_PROTOCOL | {"protocol"},  # spread by a Parallelism, never the group
     "engine": _BELOW_PROTOCOL | {"protocol", "training"},
     "distributed.decoding": {"sampling", "distributed.group"},

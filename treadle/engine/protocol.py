@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from treadle.engine.gradients import combine, units_of
 from treadle.engine.lora.adapters import LoraSpec
 from treadle.engine.losses.functions import EngineDatum
 from treadle.engine.optim import AdamSpec
@@ -101,12 +102,11 @@ class ForwardBackwardResult:
 
 @dataclass
 class Part:
-    """One part of a forward_backward: its data's outputs, its summed loss and its LoRA
-    gradient (one tensor per adapter parameter, None where the parameter got none)."""
+    """One part of a forward_backward: its data's outputs and its summed loss (its gradient
+    goes into its unit's sum: `gradients`)."""
 
     outputs: list[dict[str, np.ndarray]]
     loss: float
-    grads: list[torch.Tensor | None] | None
 
 
 @dataclass(frozen=True)
@@ -131,13 +131,23 @@ class Parallelism(Protocol):
     @property
     def sharded(self) -> bool: ...
 
-    def passes(self, tokens_P: Sequence[int]) -> list[tuple[int, bool]]:
-        """The parts this process computes, each with whether its result is kept (False: a pass
-        run only so that the processes' collectives pair up)."""
+    def units(self, count: int) -> list[range]:
+        """The `count` parts cut into the subtrees of their gradient's sum that one process
+        computes alone (`gradients.units_of`)."""
         ...
 
-    def exchange(self, mine: dict[int, Part], count: int) -> list[Part]:
-        """Every one of the `count` parts, in order, from this process's `mine`."""
+    def passes(self, tokens_P: Sequence[int]) -> list[tuple[int, bool]]:
+        """The parts this process computes, whole `units` of them, in order, each with whether
+        its result is kept (False: a pass run only so that the processes' collectives pair
+        up)."""
+        ...
+
+    def exchange(
+        self, mine: dict[int, Part], sums: dict[int, torch.Tensor], units: Sequence[range]
+    ) -> tuple[list[Part], torch.Tensor | None]:
+        """Every part, in order, from this process's `mine`, and the request's gradient (flat;
+        None in a forward only) from its units' `sums`, added in the canonical tree
+        (`gradients`): the same bits wherever the units were computed."""
         ...
 
     def shard(self, model: nn.Module, device: torch.device) -> int:
@@ -150,12 +160,18 @@ class Alone:
 
     sharded = False
 
+    def units(self, count: int) -> list[range]:
+        return units_of(count, 1)
+
     def passes(self, tokens_P: Sequence[int]) -> list[tuple[int, bool]]:
         return [(p, True) for p in range(len(tokens_P))]
 
-    def exchange(self, mine: dict[int, Part], count: int) -> list[Part]:
+    def exchange(
+        self, mine: dict[int, Part], sums: dict[int, torch.Tensor], units: Sequence[range]
+    ) -> tuple[list[Part], torch.Tensor | None]:
+        count = sum(len(unit) for unit in units)
         assert sorted(mine) == list(range(count)), (sorted(mine), count)
-        return [mine[p] for p in range(count)]
+        return [mine[p] for p in range(count)], combine(sums, units)
 
     def shard(self, model: nn.Module, device: torch.device) -> int:
         raise AssertionError("a process alone shards nothing")

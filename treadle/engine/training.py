@@ -1,9 +1,11 @@
 """The training bodies: a forward_backward's passes and an optimizer step on one adapter.
 
 A forward_backward runs in parts (`losses.microbatches`), split the same way whatever the
-`Parallelism`: this process computes the passes it is given, `exchange` hands it every part,
-and the parts' outputs, losses and gradients are added in their order, so the result is the
-same bit for bit however the parts were spread. The engine (`engine.Engine`) validates the
+`Parallelism`: this process computes the passes it is given, whole units of the gradient's
+canonical tree (`gradients`), keeping one running sum per unit, and `exchange` hands it every
+part's outputs and loss, in order, and the request's gradient, added in that tree: the result is
+the same bit for bit however the parts were spread, and a part's gradient is freed as soon as it
+is added. The gradient reaches the adapter only when every part succeeded. The engine (`engine.Engine`) validates the
 request and holds the adapter; this module only computes.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from treadle.engine.gradients import PairwiseSum, flatten, unflatten
 from treadle.engine.lora.adapters import LoraHost, TrainableLora
 from treadle.engine.losses.chunked_logprobs import wants_checkpointing
 from treadle.engine.losses.functions import (
@@ -70,6 +73,8 @@ def forward_backward(
     vocab_size = base.model.config.vocab_size
     chunks = microbatches(arrays, vocab_size, max_tokens=microbatch_tokens)
     tokens_P = [padded_tokens(chunk) for chunk in chunks]
+    units = parallel.units(len(chunks))
+    unit_of = {p: u for u, unit in enumerate(units) for p in unit}
     passes = parallel.passes(tokens_P)
     tokens = sum(tokens_P[p] for p, _ in passes)
     checkpoint = checkpointing
@@ -79,6 +84,7 @@ def forward_backward(
         checkpoint = not forward_only and wants_checkpointing(base.model, max(tokens_P))
     params = lora.weights.parameters()
     parts: dict[int, Part] = {}
+    sums: dict[int, PairwiseSum] = {}  # per unit: its parts' gradients, never one per part
     with base.host.use(lora.weights), torch.set_grad_enabled(not forward_only):
         for p, kept in passes:
             if interrupt is not None:
@@ -86,17 +92,21 @@ def forward_backward(
             # per part, so a part runs on the same threads wherever it runs
             work = tokens_P[p] * base.parameters * (1 if forward_only else 3)
             with threads_for(work, device):
-                part = _part(base, chunks[p], loss, config, params, forward_only, checkpoint)
+                part, grads = _part(base, chunks[p], loss, config, params, forward_only, checkpoint)
             if kept:  # else a sharded group's extra pass, run so the ranks' match
                 parts[p] = part
-    every = parallel.exchange(parts, len(chunks))
+                if grads is not None:
+                    sums.setdefault(unit_of[p], PairwiseSum()).push(flatten(grads, params))
+            del grads
+    unit_sums = {u: t for u, s in sums.items() if (t := s.total()) is not None}
+    every, gradient = parallel.exchange(parts, unit_sums, units)
     outputs: list[dict[str, np.ndarray]] = []
     total = 0.0
     for part in every:  # in order: the sums one process makes, however the parts were spread
         outputs.extend(part.outputs)
         total += part.loss
-        if part.grads is not None:
-            _accumulate(params, part.grads)
+    if gradient is not None:  # only now, when every part succeeded
+        _accumulate(params, unflatten(gradient, params))
     if tokens * vocab_size >= MICROBATCH_LOGITS // 4:
         # The passes' activations went back to the C heap, which keeps their pages for the
         # next pass up to a limit (`heap`); a small call frees too little to look.
@@ -118,25 +128,23 @@ def _part(
     params: list[torch.Tensor],
     forward_only: bool,
     checkpoint: bool | None,
-) -> Part:
-    """One part of a forward_backward with the active adapter: its outputs, its summed loss
-    and (unless `forward_only`) its own gradient, not yet added to the accumulated grads."""
+) -> tuple[Part, list[torch.Tensor | None] | None]:
+    """One part of a forward_backward with the active adapter: its outputs and summed loss,
+    and (unless `forward_only`) its own gradient, not yet added to anything."""
     outputs, part_loss = batch_loss(base.model, arrays, loss, config, checkpoint_layers=checkpoint)
     grads: list[torch.Tensor | None] | None = None
     if not forward_only:  # allow_unused: a parameter no path reaches gets None
         grads = list(torch.autograd.grad(part_loss, params, allow_unused=True))
-    return Part(outputs, float(part_loss.detach()), grads)
+    return Part(outputs, float(part_loss.detach())), grads
 
 
-def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Add one part's gradient to the parameters' accumulated grads, as autograd's backward
-    would have: the first becomes the grad, later ones are added in place."""
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """Add the request's gradient to the parameters' accumulated grads, as autograd's backward
+    would have: it becomes the grad, or is added to the one accumulated before."""
     with torch.no_grad():
         for param, grad in zip(params, grads, strict=True):
-            if grad is None:
-                continue
             grad = grad.to(param.device)
             if param.grad is None:
-                param.grad = grad
+                param.grad = grad  # a view of the one flat gradient
             else:
                 param.grad += grad

@@ -8,10 +8,13 @@ base model. How rank 0 drives the others lives in `executor`, sampling on a grou
 `decoding`.
 
 Data parallel, exact: `forward_backward` splits a request into parts the same way at every world
-size (`losses.microbatches`), each rank computes the parts `Group.assign` gives it (balanced by
-tokens), and `Group.exchange` hands every rank every part's outputs and LoRA gradient; each rank
-then adds the parts in their order, the sum one process makes, so adapters, optimizer states and
-their hashes are the same bit for bit at every world size.
+size (`losses.microbatches`) and adds their gradients in one tree fixed by their number
+(`gradients`); each rank computes whole units of that tree (`Group.assign`, balanced by tokens),
+keeping one running sum per unit, and `Group.exchange` hands every rank every part's outputs and
+loss (gathered objects) and the request's gradient: an all-to-all of the units' sums by slices
+and an all-gather of the added slices (tensor collectives, O(adapter) bytes per rank whatever the
+number of parts). The tree fixes every rounding, so adapters, optimizer states and their hashes
+are the same bit for bit at every world size.
 
 Layouts: `replicated` (every rank holds the whole base model) or `sharded` (`shard_layers`: each
 decoder layer's frozen weights split across the ranks with FSDP2's `fully_shard` over a
@@ -28,6 +31,7 @@ import gc
 import itertools
 import logging
 import os
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from treadle.engine.gradients import combine, units_of
 from treadle.engine.protocol import Part, Topology
 from treadle.platform.config import GROUP_LAYOUTS as LAYOUTS
 
@@ -61,10 +66,14 @@ GROUP_FAILED_EXIT = 75
 
 @dataclass
 class CollectiveTime:
-    """Time this rank spent in forward_backward's exchanges (waiting for the others included)."""
+    """What this rank spent in forward_backward's exchanges: time (waiting for the others
+    included), and bytes received: the gradient's (tensor collectives) and the parts' outputs
+    and losses (pickled objects)."""
 
     seconds: float = 0.0
     calls: int = 0
+    gradient_bytes: int = 0
+    object_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,19 +103,32 @@ class Group:
     def sharded(self) -> bool:
         return self.layout == "sharded"
 
+    def units(self, count: int) -> list[range]:
+        """See `gradients.units_of`: about two units per rank."""
+        return units_of(count, self.world_size)
+
     def assign(self, tokens_P: Sequence[int]) -> list[int]:
-        """The parts this rank computes: each part, largest first, goes to the rank with the
-        fewest tokens so far (ties to the lowest rank). The same on every rank."""
+        """The parts this rank computes: whole units, each unit, largest first, to the rank
+        with the fewest tokens so far (ties to the lowest rank). The same on every rank."""
         return [p for p, r in enumerate(self.owners(tokens_P)) if r == self.rank]
 
     def owners(self, tokens_P: Sequence[int]) -> list[int]:
-        """Each part's rank (see `assign`)."""
-        load = [0] * self.world_size
+        """Each part's rank: its unit's (see `assign`)."""
+        units = self.units(len(tokens_P))
         owner = [0] * len(tokens_P)
-        for part in sorted(range(len(tokens_P)), key=lambda p: (-tokens_P[p], p)):
+        for u, rank in enumerate(self._unit_owners(tokens_P, units)):
+            for p in units[u]:
+                owner[p] = rank
+        return owner
+
+    def _unit_owners(self, tokens_P: Sequence[int], units: Sequence[range]) -> list[int]:
+        load = [0] * self.world_size
+        owner = [0] * len(units)
+        size = [sum(tokens_P[p] for p in unit) for unit in units]
+        for u in sorted(range(len(units)), key=lambda u: (-size[u], u)):
             rank = min(range(self.world_size), key=lambda r: (load[r], r))
-            owner[part] = rank
-            load[rank] += tokens_P[part]
+            owner[u] = rank
+            load[rank] += size[u]
         return owner
 
     def passes(self, tokens_P: Sequence[int]) -> list[tuple[int, bool]]:
@@ -125,24 +147,74 @@ class Group:
         """See `shard_layers`."""
         return shard_layers(model, self, device)
 
-    def exchange(self, mine: dict[int, Part], count: int) -> list[Part]:
-        """Every part, in order, on every rank: each rank's parts gathered to all."""
-        local = {p: _portable(part) for p, part in mine.items()}
+    def exchange(
+        self, mine: dict[int, Part], sums: dict[int, torch.Tensor], units: Sequence[range]
+    ) -> tuple[list[Part], torch.Tensor | None]:
+        """Every part's outputs and loss, in order, on every rank (gathered objects: O(tokens)),
+        and the request's gradient from the units' sums (`_gradient`: O(adapter) bytes)."""
         started = time.perf_counter()
-        gathered = gather(local, "forward_backward's exchange")
+        numel = next((s.numel() for s in sums.values()), 0)
+        gathered = gather((mine, sorted(sums), numel), "forward_backward's exchange")
+        self.exchanged.object_bytes += sum(len(pickle.dumps(g)) for g in gathered)
+        every: dict[int, Part] = {}
+        for parts, _, _ in gathered:
+            every.update(parts)
+        count = sum(len(unit) for unit in units)
+        assert sorted(every) == list(range(count)), (sorted(every), count)
+        owned = [theirs for _, theirs, _ in gathered]
+        numel = max(n for _, _, n in gathered)
+        gradient = None if numel == 0 else self._gradient(sums, owned, units, numel)
         self.exchanged.seconds += time.perf_counter() - started
         self.exchanged.calls += 1
-        every: dict[int, Part] = {}
-        for parts in gathered:
-            every.update(parts)
-        assert sorted(every) == list(range(count)), (sorted(every), count)
-        return [every[p] for p in range(count)]
+        return [every[p] for p in range(count)], gradient
 
+    def _gradient(
+        self,
+        sums: dict[int, torch.Tensor],
+        owned: list[list[int]],
+        units: Sequence[range],
+        numel: int,
+    ) -> torch.Tensor:
+        """The units' sums added in the canonical tree, each rank adding one slice of every
+        flat buffer: an all-to-all hands rank r slice r of every unit's sum (about two units
+        per rank, so about 2/world of the adapter), it adds them (`gradients.combine`), and an
+        all-gather hands every rank every slice. Addition is elementwise, so the slices'
+        sums are the whole buffer's, bit for bit."""
+        world = self.world_size
+        width = -(-numel // world)  # each rank's slice, the last one padded
+        device = next(iter(sums.values())).device if sums else self._device()
+        padded = torch.zeros(len(owned[self.rank]), world * width, device=device)
+        for i, u in enumerate(owned[self.rank]):
+            padded[i, :numel] = sums[u]
+        send = padded.view(-1, world, width).transpose(0, 1).contiguous().view(-1)
+        received = torch.empty(sum(len(o) for o in owned) * width, device=device)
+        _collective(
+            "forward_backward's gradient exchange",
+            lambda: dist.all_to_all_single(
+                received,
+                send,
+                output_split_sizes=[len(o) * width for o in owned],
+                input_split_sizes=[len(owned[self.rank]) * width] * world,
+            ),
+        )
+        slices = dict(
+            zip(
+                (u for o in owned for u in o),
+                received.view(-1, width).unbind(),
+                strict=True,
+            )
+        )
+        mine = combine(slices, units)
+        assert mine is not None, "a request with a gradient has units"
+        every = [torch.empty(width, device=device) for _ in range(world)]
+        _collective("forward_backward's gradient exchange", lambda: dist.all_gather(every, mine))
+        self.exchanged.gradient_bytes += 4 * (received.numel() + world * width)
+        return torch.cat(every)[:numel]
 
-def _portable(part: Part) -> Part:
-    """`part` with its gradients on the CPU, as gathered objects travel."""
-    grads = None if part.grads is None else [None if g is None else g.cpu() for g in part.grads]
-    return Part(part.outputs, part.loss, grads)
+    def _device(self) -> torch.device:
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
 def init_from_env(
