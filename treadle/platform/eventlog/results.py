@@ -44,8 +44,8 @@ class Result(_Stored):
     TYPE: ClassVar[OpType]
 
     def to_json(self) -> dict[str, Any]:
-        """The result as the log stores it. Python values, not a JSON round trip: the numbers are
-        the engine's own (a NaN is refused by the database, as before, not turned into null)."""
+        """The result as the log stores it: Python values as the engine gave them (not pydantic's
+        JSON mode, which would write a NaN as null where the log stored what it was given)."""
         return self.model_dump()
 
 
