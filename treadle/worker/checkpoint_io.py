@@ -21,6 +21,7 @@ from treadle.platform.checkpoints import checkpoints
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.eventlog import events
 from treadle.platform.eventlog.optypes import SaveWeights
+from treadle.platform.eventlog.results import SaveWeightsOutput
 
 
 def _upload(store: ObjectStore, folder: Path, prefix: str) -> int:
@@ -48,7 +49,7 @@ def save(
     session_id: str,
     tenant_id: str,
     payload: SaveWeights,
-) -> tuple[dict[str, Any], Callable[[sa.Connection], dict[str, Any]]]:
+) -> tuple[SaveWeightsOutput, Callable[[sa.Connection], dict[str, Any]]]:
     """Write the checkpoint; returns the result and the registration to run at settlement,
     which adds the version it registered (`model_package_group`, `version`) to the result."""
     path = checkpoints.parse_path(payload.path)
@@ -84,7 +85,7 @@ def save(
         )  # fmt: skip
         return {"model_package_group": saved.model_package_group, "version": saved.version}
 
-    return {"path": str(path)}, register
+    return SaveWeightsOutput(path=str(path)), register
 
 
 def load(

@@ -31,7 +31,7 @@ from treadle.engine import (
 )
 from treadle.platform.checkpoints import auto_checkpoints
 from treadle.platform.checkpoints.storage import ObjectStore
-from treadle.platform.eventlog import optypes
+from treadle.platform.eventlog import optypes, results
 from treadle.platform.eventlog.optypes import (
     CreateModel,
     ForwardBackward,
@@ -57,7 +57,7 @@ def no_tokens() -> dict[str, int]:
 
 @dataclass
 class Outcome:
-    result: dict[str, Any]
+    result: results.Result  # stored as `result.to_json()`, with what `also` adds
     tokens: dict[str, int] = field(default_factory=no_tokens)
     also: Registration | None = None  # runs in the settlement's transaction if it succeeded
     point: auto_checkpoints.AutoCheckpoint | None = None  # a recovery point it wrote
@@ -86,7 +86,7 @@ def create_model(call: Call, p: CreateModel) -> Outcome:
     call.engine.create_adapter(
         call.adapter_id, p.base_model, LoraSpec(**p.lora_config.model_dump())
     )
-    return Outcome({"model_id": call.session_id})
+    return Outcome(results.CreateModelOutput(model_id=call.session_id))
 
 
 def load_weights(call: Call, p: LoadWeights) -> Outcome:
@@ -98,7 +98,7 @@ def load_weights(call: Call, p: LoadWeights) -> Outcome:
         p.prefix,
         with_optimizer=p.optimizer,
     )
-    outcome = Outcome({"model_id": call.session_id, "path": p.path})
+    outcome = Outcome(results.LoadWeightsOutput(model_id=call.session_id, path=p.path))
     if call.live:
         # Keep a copy: recovery must not depend on a file the user can delete or let expire.
         _keep_copy(call, outcome)
@@ -112,7 +112,7 @@ def rebuild(call: Call, p: Rebuild) -> Outcome:
             f"{p.to_seq}) is gone"
         )
     report = call.rebuild(call, p)
-    outcome = Outcome({"model_id": call.session_id, "report": report})
+    outcome = Outcome(results.RebuildOutput(model_id=call.session_id, report=report))
     # Its own copy: the replay or fork never needs the source's files again.
     _keep_copy(call, outcome)
     return outcome
@@ -159,15 +159,16 @@ def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
     )
     tokens = no_tokens()
     tokens["prefill" if p.forward_only else "train"] = out.train_tokens
-    outputs = [
-        {name: _tensor_json(arr) for name, arr in per_datum.items()} for per_datum in out.outputs
-    ]
-    return Outcome({"loss_fn_outputs": outputs, "metrics": out.metrics}, tokens)
+    outputs = [{name: _tensor(arr) for name, arr in per_datum.items()} for per_datum in out.outputs]
+    return Outcome(
+        results.ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=out.metrics), tokens
+    )
 
 
 def optim_step(call: Call, p: OptimStep) -> Outcome:
     spec = AdamSpec(**p.model_dump())
-    return Outcome({"metrics": call.engine.optim_step(call.adapter_id, spec)})
+    metrics = call.engine.optim_step(call.adapter_id, spec)
+    return Outcome(results.OptimStepOutput(metrics=metrics))
 
 
 def save_weights(call: Call, p: SaveWeights) -> Outcome:
@@ -180,7 +181,11 @@ def save_weights(call: Call, p: SaveWeights) -> Outcome:
 
 def save_weights_for_sampler(call: Call, p: SaveWeightsForSampler) -> Outcome:
     call.engine.snapshot(call.adapter_id, p.snapshot)
-    return Outcome({"sampling_session_id": p.sampler_id, "snapshot_id": p.snapshot})
+    return Outcome(
+        results.SaveWeightsForSamplerOutput(
+            sampling_session_id=p.sampler_id, snapshot_id=p.snapshot
+        )
+    )
 
 
 def sample(call: Call, p: Sample) -> Outcome:
@@ -194,7 +199,7 @@ def load_sampler_weights(call: Call, p: LoadSamplerWeights) -> Outcome:
     checkpoint_io.ensure_snapshot(
         call.engine, call.store, p.snapshot_id, call.base_model, p.checkpoint_prefix
     )
-    return Outcome({"snapshot_id": p.snapshot_id})
+    return Outcome(results.LoadSamplerWeightsOutput(snapshot_id=p.snapshot_id))
 
 
 def sample_request(call: Call, p: Sample) -> SampleRequest:
@@ -239,25 +244,38 @@ def sample_request(call: Call, p: Sample) -> SampleRequest:
 
 def sample_outcome(p: Sample, out: SampleResult) -> Outcome:
     """The client's result and the tokens to meter for `p`, sampled as `out`."""
-    targets = p.target_prompt_logprobs
-    result: dict[str, Any] = {
-        "sequences": [
-            {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
-            | ({} if s.topk_logprobs is None else {"topk_logprobs": s.topk_logprobs})
-            for s in out.sequences
-        ],
-        "prompt_logprobs": out.prompt_logprobs,
-        "topk_prompt_logprobs": out.topk_prompt_logprobs,
-    }
+    sequences = [
+        results.SampledSequence(
+            tokens=s.tokens,
+            logprobs=s.logprobs,
+            stop_reason=s.stop_reason,
+            topk_logprobs=s.topk_logprobs,
+        )
+        for s in out.sequences
+    ]
+    targets, target_logprobs = p.target_prompt_logprobs, None
     if targets is not None:  # the request's layout, with a logprob in place of each id
-        layout = targets.model_dump(exclude={"ids"})
-        result["target_prompt_logprobs"] = layout | {"values": out.target_prompt_logprobs}
+        assert out.target_prompt_logprobs is not None, "asked for, so scored"
+        target_logprobs = results.TargetLogprobs(
+            rows=targets.rows,
+            k=targets.k,
+            crow_indices=targets.crow_indices,
+            col_indices=targets.col_indices,
+            values=out.target_prompt_logprobs,
+        )
+    alt = None
     if out.prompt_alt_tokens is not None:
-        result["prompt_alt_tokens"] = {
-            "k": p.prompt_alt_tokens_k,
-            "tokens": out.prompt_alt_tokens,
-            "logprobs": out.prompt_alt_logprobs,
-        }
+        assert out.prompt_alt_logprobs is not None, "drawn with their logprobs"
+        alt = results.PromptAltTokens(
+            k=p.prompt_alt_tokens_k, tokens=out.prompt_alt_tokens, logprobs=out.prompt_alt_logprobs
+        )
+    result = results.SampleOutput(
+        sequences=sequences,
+        prompt_logprobs=out.prompt_logprobs,
+        topk_prompt_logprobs=out.topk_prompt_logprobs,
+        target_prompt_logprobs=target_logprobs,
+        prompt_alt_tokens=alt,
+    )
     tokens = {"prefill": out.prefill_tokens, "sample": out.sample_tokens, "train": 0}
     return Outcome(result, tokens)
 
@@ -290,6 +308,6 @@ def run(call: Call, payload: Payload) -> Outcome:
     return HANDLERS[payload.TYPE](call, payload)
 
 
-def _tensor_json(array: np.ndarray) -> dict[str, Any]:
+def _tensor(array: np.ndarray) -> optypes.Tensor:
     dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
-    return {"dtype": dtype, "shape": list(array.shape), "data": array.reshape(-1).tolist()}
+    return optypes.Tensor(dtype=dtype, shape=list(array.shape), data=array.reshape(-1).tolist())

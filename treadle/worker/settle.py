@@ -50,7 +50,7 @@ class Settler:
         """Settle an operation's outcome (it ran `seconds` from `started_at`, a `time.time()`);
         None when this worker's lease was stale (nothing was written)."""
         tokens = outcome.tokens if outcome is not None else handlers.no_tokens()
-        result = outcome.result if outcome is not None else None
+        result = outcome.result.to_json() if outcome is not None else None
         usage = {"duration_ms": round(seconds * 1000, 3), "tokens": tokens}
         try:
             with self.db.begin() as conn:

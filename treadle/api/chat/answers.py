@@ -23,6 +23,7 @@ from treadle.platform import db
 from treadle.platform.errors import TreadleError
 from treadle.platform.eventlog import progress
 from treadle.platform.eventlog.optypes import OpStatus
+from treadle.platform.eventlog.results import SampledSequence, SampleOutput
 from treadle.platform.models.catalog import BaseModelInfo
 from treadle.platform.operations import futures, operations
 from treadle.platform.serving import openai_serving
@@ -64,13 +65,15 @@ class Shape:
         return {"id": prefix + secrets.token_hex(12), "object": kind,
                 "created": int(time.time()), "model": self.model}  # fmt: skip
 
-    def answer(self, result: Mapping[str, Any]) -> dict[str, Any]:
+    def answer(self, stored: Mapping[str, Any]) -> dict[str, Any]:
+        """The whole response to a sample whose stored result is `stored`."""
+        result = SampleOutput.model_validate(stored)
         tok, choices = self._tok(), []
-        for i, seq in enumerate(result["sequences"]):
+        for i, seq in enumerate(result.sequences):
             decoder = openai_serving.Decoder(tok, self.stop)
-            decoder.feed(seq["tokens"], final=True)
+            decoder.feed(seq.tokens, final=True)
             finish = self._finish(seq, decoder)
-            logprobs = self._logprobs(seq["tokens"], seq["logprobs"], seq.get("topk_logprobs"))
+            logprobs = self._logprobs(seq.tokens, seq.logprobs, seq.topk_logprobs)
             if self.chat:
                 message = {"role": "assistant", "content": decoder.text(), "refusal": None}
                 choices.append({"index": i, "message": message, "logprobs": logprobs,
@@ -78,12 +81,12 @@ class Shape:
             else:
                 choices.append({"index": i, "text": decoder.text(), "logprobs": logprobs,
                                 "finish_reason": finish})  # fmt: skip
-        usage = openai_serving.usage(self.prompt_tokens, result["sequences"])
+        usage = openai_serving.usage(self.prompt_tokens, result.sequences)
         return self._head() | {"choices": choices, "usage": usage}
 
     @staticmethod
-    def _finish(seq: Mapping[str, Any], decoder: openai_serving.Decoder) -> str:
-        return "stop" if seq["stop_reason"] == "stop" or decoder.stopped else "length"
+    def _finish(seq: SampledSequence, decoder: openai_serving.Decoder) -> str:
+        return "stop" if seq.stop_reason == "stop" or decoder.stopped else "length"
 
     def _chunk(self, head: dict[str, Any], i: int, text: str, logprobs: Any,
                finish: str | None) -> str:  # fmt: skip
@@ -128,17 +131,18 @@ class Shape:
                 yield _event({"error": {"message": message, "type": "server_error",
                                         "param": None, "code": None}})  # fmt: skip
                 return
-            for i, seq in enumerate(op.result["sequences"]):
+            result = SampleOutput.model_validate(op.result)
+            for i, seq in enumerate(result.sequences):
                 decoder = decoders.setdefault(i, openai_serving.Decoder(tok, self.stop))
-                text = decoder.feed(seq["tokens"][counts.get(i, 0) :], final=True)
-                start, topk = scored.get(i, 0), seq.get("topk_logprobs")
+                text = decoder.feed(seq.tokens[counts.get(i, 0) :], final=True)
+                start, topk = scored.get(i, 0), seq.topk_logprobs
                 logprobs = None
-                if start < len(seq["tokens"]):
-                    logprobs = self._logprobs(seq["tokens"][start:], seq["logprobs"][start:],
+                if start < len(seq.tokens):
+                    logprobs = self._logprobs(seq.tokens[start:], seq.logprobs[start:],
                                               topk[start:] if topk else None)  # fmt: skip
                 yield self._chunk(head, i, text, logprobs, self._finish(seq, decoder))
             if include_usage:
-                usage = openai_serving.usage(self.prompt_tokens, op.result["sequences"])
+                usage = openai_serving.usage(self.prompt_tokens, result.sequences)
                 kind = "chat.completion.chunk" if self.chat else "text_completion"
                 yield _event(head | {"object": kind, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"

@@ -21,6 +21,7 @@ from typing import Any
 from treadle.platform.checkpoints import checkpoints
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
+from treadle.platform.eventlog.results import ForwardBackwardOutput, OptimStepOutput, SampleOutput
 from treadle.platform.models import validation
 from treadle.platform.models.catalog import BaseModelInfo
 from treadle.platform.sagemaker.packages import Package
@@ -266,44 +267,47 @@ def compute_logprobs(
 
 
 def training_result(
-    kind: Kind, result: Mapping[str, Any], package_arn: str | None
+    kind: Kind, stored: Mapping[str, Any], package_arn: str | None
 ) -> dict[str, Any]:
-    """The OperationResult union of a completed training operation."""
+    """The OperationResult union of a completed training operation whose stored result is
+    `stored`."""
     if kind in (Kind.FORWARD, Kind.FORWARD_BACKWARD):
+        result = ForwardBackwardOutput.model_validate(stored)
         outputs = [
             {name: _tensor_out(t) for name, t in per_datum.items()}
-            for per_datum in result.get("loss_fn_outputs", [])
+            for per_datum in result.loss_fn_outputs
         ]
-        return {kind.value: {"metrics": dict(result.get("metrics", {})), "lossFnOutputs": outputs}}
+        return {kind.value: {"metrics": dict(result.metrics), "lossFnOutputs": outputs}}
     if kind == Kind.OPTIMIZER_STEP:
-        return {kind.value: {"metrics": dict(result.get("metrics", {}))}}
+        return {kind.value: {"metrics": dict(OptimStepOutput.model_validate(stored).metrics)}}
     if kind in (Kind.SAVE_WEIGHTS, Kind.SAVE_STATE):
         return {kind.value: {"modelPackageArn": package_arn}}
     return {kind.value: {}}
 
 
-def _tensor_out(tensor: Mapping[str, Any]) -> dict[str, Any]:
-    return {"data": tensor["data"], "dtype": tensor["dtype"], "shape": tensor["shape"]}
+def _tensor_out(tensor: optypes.Tensor) -> dict[str, Any]:
+    return {"data": tensor.data, "dtype": tensor.dtype, "shape": tensor.shape}
 
 
-def sampling_result(kind: Kind, result: Mapping[str, Any]) -> dict[str, Any]:
-    """The SampleOperationResult union of a completed sampling operation."""
-    if kind == Kind.COMPUTE_LOGPROBS:
-        return {kind.value: {"logprobs": list(result.get("prompt_logprobs") or [])}}
+def sampling_result(kind: Kind, stored: Mapping[str, Any]) -> dict[str, Any]:
+    """The SampleOperationResult union of a completed sampling operation whose stored result is
+    `stored`."""
     if kind == Kind.LOAD_WEIGHTS_FOR_SAMPLING:
         return {kind.value: {}}
+    result = SampleOutput.model_validate(stored)
+    if kind == Kind.COMPUTE_LOGPROBS:
+        return {kind.value: {"logprobs": list(result.prompt_logprobs or [])}}
     answer: dict[str, Any] = {
         "sequences": [
-            {"stopReason": s["stop_reason"], "tokens": s["tokens"], "logprobs": s["logprobs"]}
-            for s in result["sequences"]
+            {"stopReason": s.stop_reason, "tokens": s.tokens, "logprobs": s.logprobs}
+            for s in result.sequences
         ]
     }
-    prompt = result.get("prompt_logprobs")
-    if prompt is not None:
-        answer["promptLogprobs"] = [lp for lp in prompt[1:] if lp is not None]
-    topk = result.get("topk_prompt_logprobs")
-    if topk is not None:
+    if result.prompt_logprobs is not None:
+        answer["promptLogprobs"] = [lp for lp in result.prompt_logprobs[1:] if lp is not None]
+    if result.topk_prompt_logprobs is not None:
         answer["topkPromptLogprobs"] = [
-            [{"tokenId": int(t), "logprob": float(lp)} for t, lp in row] for row in topk[1:]
+            [{"tokenId": t, "logprob": lp} for t, lp in row]
+            for row in result.topk_prompt_logprobs[1:]
         ]
     return {kind.value: answer}

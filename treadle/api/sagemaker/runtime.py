@@ -34,6 +34,7 @@ from treadle.platform import db
 from treadle.platform.errors import InactiveSessionError, NotFoundError, ValidationError
 from treadle.platform.eventlog import optypes
 from treadle.platform.eventlog.optypes import OpStatus
+from treadle.platform.eventlog.results import SaveWeightsOutput
 from treadle.platform.operations import operations
 from treadle.platform.operations.operations import CANCELLED, Admission, Outcome
 from treadle.platform.sagemaker import arns, packages, runtime_ops, training_sessions
@@ -342,12 +343,13 @@ def _answer(outcome: Outcome | None, kind: Kind) -> dict[str, Any]:
         return {"status": "Completed", "operationResult": result}
     package = None
     if kind in (Kind.SAVE_WEIGHTS, Kind.SAVE_STATE):
-        who, saved = principal(), outcome.result
-        if "version" in saved:  # the version the save registered, recorded with its result
-            group, version = saved["model_package_group"], saved["version"]
+        who, saved = principal(), SaveWeightsOutput.model_validate(outcome.result)
+        if saved.model_package_group is not None and saved.version is not None:
+            # the version the save registered, recorded with its result
+            group, version = saved.model_package_group, saved.version
         else:  # settled by a worker that did not record it
             with db.reading(services().db) as conn:
-                group, version = packages.saved_as(conn, who, saved["path"])
+                group, version = packages.saved_as(conn, who, saved.path)
         package = arns.package_arn(protocol.region(), who.tenant_id, group, version)
     result = convert.training_result(kind, outcome.result, package)
     return {"status": "Completed", "operationResult": result}

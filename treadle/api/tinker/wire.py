@@ -21,6 +21,12 @@ from google.protobuf.message import DecodeError
 
 from treadle.api.tinker import proto as tinker_proto
 from treadle.platform.errors import ValidationError
+from treadle.platform.eventlog.results import (
+    ForwardBackwardOutput,
+    SampleOutput,
+    TargetLogprobs,
+    TopkRows,
+)
 from treadle.platform.models.validation import (
     FWDBWD_MAX_CHUNK_LEN,
     MAX_DATUMS,
@@ -354,61 +360,60 @@ def _array(where: str, raw: bytes, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]
     return np.frombuffer(raw, dtype=dtype)
 
 
-def encode_forward_backward_output(result: Mapping[str, Any]) -> bytes:
-    """Stored result {loss_fn_outputs: [{name: {dtype, shape, data}}], metrics} -> proto bytes."""
-    outputs: list[Mapping[str, Any]] = result["loss_fn_outputs"]
+def encode_forward_backward_output(stored: Mapping[str, Any]) -> bytes:
+    """A stored forward_backward result (`ForwardBackwardOutput`) -> proto bytes."""
+    result = ForwardBackwardOutput.model_validate(stored)
+    outputs = result.loss_fn_outputs
     record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(outputs))
     names = list(outputs[0]) if outputs else []
     for name in names:
-        dtype = outputs[0][name]["dtype"]
-        np_dtype = np.float32 if dtype == "float32" else np.int64
-        arrays = [np.asarray(o[name]["data"], dtype=np_dtype) for o in outputs]
+        first = outputs[0][name]
+        np_dtype = np.float32 if first.dtype == "float32" else np.int64
+        arrays = [np.asarray(o[name].data, dtype=np_dtype) for o in outputs]
         offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([a.nbytes for a in arrays])
-        trailing = [int(s) for s in outputs[0][name]["shape"][1:]]
         record.fields[name].CopyFrom(
             pb.BatchedTensor(
                 data=b"".join(a.tobytes() for a in arrays),
                 offsets=offsets.tobytes(),
-                dtype=_PB_DTYPE[dtype],
-                trailing_shape=trailing,
+                dtype=_PB_DTYPE[first.dtype],
+                trailing_shape=first.shape[1:],
             )
         )
     msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
-    for key, value in result["metrics"].items():
-        msg.metrics[key] = float(value)
+    for key, value in result.metrics.items():
+        msg.metrics[key] = value
     return msg.SerializeToString()
 
 
-def encode_sample_response(result: Mapping[str, Any]) -> bytes:
-    """Stored sample result -> SampleResponse proto bytes: per sequence its tokens, logprobs,
-    stop reason and (if asked) top-k logprobs; prompt logprobs (NaN where not scored), their
-    top-k, target_prompt_logprobs in the request's dense or CSR layout, prompt_alt_tokens."""
+def encode_sample_response(stored: Mapping[str, Any]) -> bytes:
+    """A stored sample result (`SampleOutput`) -> SampleResponse proto bytes: per sequence its
+    tokens, logprobs, stop reason and (if asked) top-k logprobs; prompt logprobs (NaN where not
+    scored), their top-k, target_prompt_logprobs in the request's dense or CSR layout,
+    prompt_alt_tokens."""
+    result = SampleOutput.model_validate(stored)
     msg = pb.SampleResponse()
-    for seq in result["sequences"]:
+    for seq in result.sequences:
         sequence = pb.SampledSequence(
-            stop_reason=_STOP_REASON[seq["stop_reason"]],
-            tokens=np.asarray(seq["tokens"], dtype=np.int32).tobytes(),
-            logprobs=np.asarray(seq["logprobs"], dtype=np.float32).tobytes(),
+            stop_reason=_STOP_REASON[seq.stop_reason],
+            tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes(),
         )
-        if seq.get("topk_logprobs") is not None:
-            sequence.topk_sampled_logprobs.CopyFrom(_topk(seq["topk_logprobs"]))
+        if seq.topk_logprobs is not None:
+            sequence.topk_sampled_logprobs.CopyFrom(_topk(seq.topk_logprobs))
         msg.sequences.append(sequence)
-    prompt_logprobs = result.get("prompt_logprobs")
-    if prompt_logprobs is not None:
-        values = [np.nan if v is None else v for v in prompt_logprobs]
+    if result.prompt_logprobs is not None:
+        values = [np.nan if v is None else v for v in result.prompt_logprobs]
         msg.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
-    topk = result.get("topk_prompt_logprobs")
-    if topk:
-        msg.topk_prompt_logprobs.CopyFrom(_topk(topk))
-    targets = result.get("target_prompt_logprobs")
-    if targets is not None:
-        msg.target_prompt_logprobs.CopyFrom(_target_tensor(targets))
-    alt = result.get("prompt_alt_tokens")
+    if result.topk_prompt_logprobs:
+        msg.topk_prompt_logprobs.CopyFrom(_topk(result.topk_prompt_logprobs))
+    if result.target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(_target_tensor(result.target_prompt_logprobs))
+    alt = result.prompt_alt_tokens
     if alt is not None:
-        shape = [len(alt["tokens"]), alt["k"]]
-        msg.prompt_alt_tokens.tokens.CopyFrom(_dense(alt["tokens"], "int64", shape))
-        msg.prompt_alt_tokens.logprobs.CopyFrom(_dense(alt["logprobs"], "float32", shape))
+        shape = [len(alt.tokens), alt.k]
+        msg.prompt_alt_tokens.tokens.CopyFrom(_dense(alt.tokens, "int64", shape))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(_dense(alt.logprobs, "float32", shape))
     return msg.SerializeToString()
 
 
@@ -418,24 +423,24 @@ def _dense(values: Any, dtype: str, shape: list[int]) -> pb.Tensor:
     return pb.Tensor(dense=array.tobytes(), dtype=_PB_DTYPE[dtype], shape=shape)
 
 
-def _target_tensor(targets: Mapping[str, Any]) -> pb.Tensor:
+def _target_tensor(targets: TargetLogprobs) -> pb.Tensor:
     """Logprobs in the layout the request's target ids came in: dense [rows, k], or CSR with its
     row pointers and column indices."""
-    shape = [targets["rows"], targets["k"]]
-    if targets.get("crow_indices") is None:
-        return _dense(targets["values"], "float32", shape)
+    shape = [targets.rows, targets.k]
+    if targets.crow_indices is None:
+        return _dense(targets.values, "float32", shape)
     return pb.Tensor(
         sparse_csr=pb.SparseCsr(
-            values=np.asarray(targets["values"], dtype=_WIRE_DTYPE["float32"]).tobytes(),
-            crow_indices=np.asarray(targets["crow_indices"], dtype=_INDEX).tobytes(),
-            col_indices=np.asarray(targets["col_indices"], dtype=_INDEX).tobytes(),
+            values=np.asarray(targets.values, dtype=_WIRE_DTYPE["float32"]).tobytes(),
+            crow_indices=np.asarray(targets.crow_indices, dtype=_INDEX).tobytes(),
+            col_indices=np.asarray(targets.col_indices, dtype=_INDEX).tobytes(),
         ),
         dtype=pb.DTYPE_FLOAT32,
         shape=shape,
     )
 
 
-def _topk(rows: list[list[list[float]]]) -> pb.TopkLogprobs:
+def _topk(rows: TopkRows) -> pb.TopkLogprobs:
     """Per position [[token, logprob], ...] -> [length, k] arrays, empty slots (0, -99999)."""
     k = max((len(r) for r in rows), default=0)
     token_ids = np.zeros((len(rows), k), dtype=np.int32)

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from treadle.platform.billing.prices import TOKEN_CLASSES
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import events as events_core
+from treadle.platform.eventlog import results
 from treadle.platform.eventlog.schema import events
 from treadle.platform.sessions.sessions import ACTIVE_STATUSES, get_session
 from treadle.platform.tenancy.tenants import Principal
@@ -132,7 +133,7 @@ def summarize(event_type: str, data: Mapping[str, Any]) -> dict[str, Any]:
     if event_type == "OperationRequested" and isinstance(payload, dict):
         out["payload"] = _payload_summary(str(out.get("type")), payload)
     if event_type == "OperationCompleted" and isinstance(result, dict):
-        out["result"] = _result_summary(result)
+        out["result"] = _result_summary(out.get("type"), result)
     return {k: _small(v) for k, v in out.items()}
 
 
@@ -153,19 +154,27 @@ def _payload_summary(op_type: str, payload: dict[str, Any]) -> dict[str, Any]:
     return _generic(payload)
 
 
-def _result_summary(result: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(result.get("loss_fn_outputs"), list):
-        rest = {k: _small(v) for k, v in result.items() if k != "loss_fn_outputs"}
-        return {"summary": True, **rest, "loss_fn_outputs": len(result["loss_fn_outputs"])}
-    if isinstance(result.get("sequences"), list):
-        seqs = [s for s in result["sequences"] if isinstance(s, dict)]
-        prompt = result.get("prompt_logprobs")
+def _result_summary(op_type: Any, result: dict[str, Any]) -> dict[str, Any]:
+    """A forward_backward's outputs and a sample's sequences as counts; the rest as `_generic`,
+    as is a result that does not read as its type (a damaged log is shown, not refused)."""
+    try:
+        typed = results.read(op_type, result)
+    except ValueError:
+        return _generic(result)
+    if isinstance(typed, results.ForwardBackwardOutput):
         return {
             "summary": True,
-            "sequences": len(result["sequences"]),
-            "sampled_tokens": sum(len(s.get("tokens") or ()) for s in seqs),
-            "stop_reasons": [s.get("stop_reason") for s in seqs],
-            "prompt_logprobs": len(prompt) if isinstance(prompt, list) else None,
+            "metrics": _small(typed.metrics),
+            "loss_fn_outputs": len(typed.loss_fn_outputs),
+        }
+    if isinstance(typed, results.SampleOutput):
+        prompt = typed.prompt_logprobs
+        return {
+            "summary": True,
+            "sequences": len(typed.sequences),
+            "sampled_tokens": sum(len(s.tokens) for s in typed.sequences),
+            "stop_reasons": [s.stop_reason for s in typed.sequences],
+            "prompt_logprobs": None if prompt is None else len(prompt),
         }
     return _generic(result)
 

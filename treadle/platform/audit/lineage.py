@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import events
 from treadle.platform.eventlog.optypes import LoraConfig, OpStatus, Rebuild, RebuildMode
+from treadle.platform.eventlog.results import RebuildOutput
 from treadle.platform.eventlog.schema import operations as operation_rows
 from treadle.platform.operations import commands, operations
 from treadle.platform.sessions import sessions as sessions_core
@@ -185,5 +186,5 @@ def report(conn: sa.Connection, principal: Principal, model_id: str) -> dict[str
         return {**head, "status": "running"}
     if first.status == OpStatus.FAILED:
         return {**head, "status": "failed", "error": first.error["message"]}
-    rebuilt = dict(first.result["report"])
+    rebuilt = dict(RebuildOutput.model_validate(first.result).report)
     return {**head, "status": "matched" if rebuilt["matched"] else "diverged", **rebuilt}

@@ -114,7 +114,8 @@ class LoadWeights(Payload):
 
 
 class Tensor(BaseModel):
-    """A `loss_fn_inputs` tensor: row-major `data` of `shape`."""
+    """A `loss_fn_inputs` tensor (or a result's `loss_fn_outputs` one): row-major `data` of
+    `shape`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     dtype: Literal["float32", "int64"]

@@ -23,6 +23,7 @@ import sqlalchemy as sa
 
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog.optypes import OpStatus
+from treadle.platform.eventlog.results import SampleOutput
 from treadle.platform.eventlog.schema import (
     checkpoints,
     operations,
@@ -113,7 +114,7 @@ class Recorded:
     expires_at: datetime
     is_expired: bool
     status: str
-    result: Mapping[str, Any] | None
+    result: SampleOutput | None  # read once it completed
 
 
 def _load(conn: sa.Connection, principal: Principal, request_ids: set[str]) -> dict[str, Recorded]:
@@ -140,7 +141,7 @@ def _load(conn: sa.Connection, principal: Principal, request_ids: set[str]) -> d
             r.expires_at,
             bool(r.is_expired),
             r.status,
-            r.result,
+            None if r.result is None else SampleOutput.model_validate(r.result),
         )
         for r in rows
     }
@@ -284,8 +285,8 @@ class _Checker:
             )
         if kind == "prompt":
             return sample.prompt, None
-        sequence = sample.result["sequences"][index]
-        return list(sequence["tokens"]), list(sequence["logprobs"])
+        sequence = sample.result.sequences[index]
+        return list(sequence.tokens), list(sequence.logprobs)
 
 
 def touch(conn: sa.Connection, request_ids: set[str], *, ttl_seconds: float) -> None:

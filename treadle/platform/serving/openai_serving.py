@@ -16,6 +16,7 @@ from typing import Any
 
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
+from treadle.platform.eventlog.results import SampledSequence
 from treadle.platform.models import tokenizers, validation
 from treadle.platform.models.catalog import BaseModelInfo
 from treadle.platform.serving.openai_models import Target
@@ -151,7 +152,7 @@ def completion_logprobs(tok: Any, tokens: Sequence[int], logprobs: Sequence[floa
     }  # fmt: skip
 
 
-def usage(prompt: int, sequences: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    completion = sum(len(s["tokens"]) for s in sequences)
+def usage(prompt: int, sequences: Sequence[SampledSequence]) -> dict[str, int]:
+    completion = sum(len(s.tokens) for s in sequences)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}  # fmt: skip
