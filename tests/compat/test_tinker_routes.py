@@ -349,7 +349,8 @@ def test_a_cancelled_running_op_leaves_no_trace_in_the_weights(world: World) -> 
     client = WireClient(world.platform.base_url, world.owner_key)
     cancelled = client.create_model(BASE_MODEL, rank=4)
     twin = client.create_model(BASE_MODEL, rank=4)
-    long_ones = [datum([(7 * i + j) % 97 + 1 for j in range(1500)]) for i in range(2)]
+    # many parts, so that it is still running when the cancel comes, however fast this machine
+    long_ones = [datum([(7 * i + j) % 97 + 1 for j in range(1500)]) for i in range(8)]
     losses = []
     for model_id in (cancelled, twin):
         seq = 1
