@@ -136,6 +136,16 @@ def broken_sampling(engine: Any) -> dict[str, Any]:
     return {"error": error, "weight_hash": engine.weight_hash("a")}
 
 
+def sample_first(engine: Any) -> dict[str, Any]:
+    """The base model's first use a sample (no adapter on it yet), then a training step: what
+    was sampled and the weights after."""
+    samples = sample_some(engine, None)
+    engine.create_adapter("a", TINY_DEBUG_NAME, LORA)
+    engine.forward_backward("a", [datum(1, 40, False)], "cross_entropy")
+    engine.optim_step("a", ADAM)
+    return {"samples": samples, "weight_hash": engine.weight_hash("a")}
+
+
 def main() -> None:
     from treadle.engine import GroupExecutor, follow
     from treadle.engine.distributed import group as worker_group
@@ -164,6 +174,8 @@ def main() -> None:
         try:
             if broken:
                 result = broken_sampling(leader)
+            elif os.environ.get("GROUP_LOOP_SAMPLE_FIRST"):
+                result = sample_first(leader)
             else:
                 result = run_loop(
                     leader,

@@ -148,6 +148,16 @@ class Engine:
 
     # -- models and adapters ------------------------------------------------------------------
 
+    def has_base(self, base_model: str) -> bool:
+        """Whether `base_model` is loaded here."""
+        with self._lock:
+            return base_model in self._bases
+
+    def load_base(self, base_model: str) -> None:
+        """Load `base_model` now if it is not (a group whose layout shards it loads it on every
+        rank together: `GroupExecutor.open_batch`). ValidationError for an unknown name."""
+        self._base(base_model)
+
     def tokenizer(self, base_model: str) -> PreTrainedTokenizerBase:
         """`base_model`'s tokenizer, without loading the model itself."""
         with self._lock:

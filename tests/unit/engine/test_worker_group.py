@@ -135,6 +135,22 @@ def test_samples_are_decoded_on_every_rank_and_a_ranks_failure_fails_the_batch(
     assert result["weight_hash"] == group_loop.broken_sampling(alone)["weight_hash"]
 
 
+def test_a_sharded_group_whose_first_call_is_a_sample_serves_it(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Loading a base model shards it, a collective: a first sample on a base model no call
+    has loaded yet loads it on every rank together (rank 0 alone there waited on the others'
+    next call until the group's timeout, and the group crash-looped on the same request)."""
+    out = tmp_path / "out.json"
+    env = {"GROUP_LOOP_LAYOUT": "sharded", "GROUP_LOOP_SAMPLE_FIRST": "1"}
+    codes, logs = run_ranks(cache_dir, out, env=env)
+    assert codes == [0, 0], logs[-6000:]
+    result = json.loads(out.read_text())
+    alone = group_loop.sample_first(Engine(cache_dir=cache_dir, device="cpu"))
+    same_samples([alone["samples"]], [result["samples"]])
+    assert result["weight_hash"] == alone["weight_hash"]
+
+
 def test_a_rank_whose_weights_drift_fails_the_group_instead_of_training_on(
     cache_dir: Path, tmp_path: Path
 ) -> None:

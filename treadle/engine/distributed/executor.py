@@ -9,7 +9,8 @@ whose adapter is the whole adapter. The other ranks run `follow`: receive a call
 rank 0 closes the group or a collective times out. After each mirrored call every rank checks
 that all ended the same way (the same error or none; after a call that sets weights, the same
 weight hash): a rank that differs fails the group rather than train on other weights than rank 0
-reports. Sampling runs on the whole group (`decoding`).
+reports. Sampling runs on the whole group (`decoding`); in the sharded layout a base model's
+first batch is preceded by its load on every rank together (loading shards it, a collective).
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -54,6 +55,7 @@ MIRRORED = adapter_calls()
 SETS_WEIGHTS = weight_setting_calls()
 _CLOSE = "__close__"
 _PING = "__ping__"
+_LOAD_BASE = "__load_base__"  # a base model a sharded group loads before its first sample
 
 
 class GroupExecutor:
@@ -163,6 +165,14 @@ class GroupExecutor:
     # -- sampling: each batch a `LeaderBatch` the whole group decodes
 
     def open_batch(self, base_model: str) -> LeaderBatch:
+        if self.group.sharded and not self.engine.has_base(base_model):
+            # Loading shards the model, a collective: every rank loads it now, together (rank 0
+            # alone in it would wait on the others' next call until the group's timeout).
+            with self._sending:
+                broadcast((_LOAD_BASE, (base_model,), {}))
+                _, error = _run(self.engine, "load_base", (base_model,), {})
+            if error is not None:
+                raise error
         return LeaderBatch(self, base_model)
 
     def sample_batch(
@@ -235,6 +245,9 @@ def follow(engine: Engine, group: Group) -> None:
             continue
         if name in CALLS:
             batches.run(name, args)
+            continue
+        if name == _LOAD_BASE:
+            _run(engine, "load_base", args, kwargs)  # an error: rank 0 reports it
             continue
         if name not in MIRRORED:  # a newer rank 0 than this rank: the group cannot agree
             fail(f"rank 0 sent {name!r}, which this rank does not run")
