@@ -258,6 +258,12 @@ def shard_layers(model: nn.Module, group: Group, device: torch.device) -> int:
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     in_layers = {id(t) for t in itertools.chain(layers.parameters(), layers.buffers())}
+    # The backbone is the root (sharding nothing of its own: its embeddings and final norm stay
+    # whole), so that each layer is not one: FSDP keeps a root's weights gathered after its
+    # forward (its backward would gather them at once), and with every layer its own root a
+    # forward or a sample left the whole model gathered on every rank.
+    rest = {p for p in decoder.parameters() if id(p) not in in_layers}
+    fully_shard(decoder, mesh=mesh, ignored_params=rest)
     _to_device(model, device, skip=in_layers)
     # Gather each layer once now, outside any inference mode: FSDP keeps the gathered weights'
     # tensors for later passes, and ones first made under sampling's `inference_mode` could
