@@ -238,8 +238,8 @@ def init_from_env(
 
 def shard_layers(model: nn.Module, group: Group, device: torch.device) -> int:
     """Split each decoder layer's weights (the backbone's `layers`) across the group's ranks with
-    FSDP2's `fully_shard` on a one-dimensional `DeviceMesh`; each pass gathers a layer's weights
-    just before it runs and frees them after. The rest of the model (embeddings, final norm,
+    FSDP2's `fully_shard` on a one-dimensional `DeviceMesh`, the backbone their root; each pass
+    gathers a layer's weights just before it runs and frees them after. The rest of the model (embeddings, final norm,
     output head: what the chunked logprobs call outside the model's forward) stays whole.
     `model` may be in host memory: FSDP moves each layer to `device` as it shards it (one whole
     layer there at a time), and the rest follows, so the device never holds the whole model.
