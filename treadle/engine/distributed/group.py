@@ -31,7 +31,6 @@ import gc
 import itertools
 import logging
 import os
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,13 +66,11 @@ GROUP_FAILED_EXIT = 75
 @dataclass
 class CollectiveTime:
     """What this rank spent in forward_backward's exchanges: time (waiting for the others
-    included), and bytes received: the gradient's (tensor collectives) and the parts' outputs
-    and losses (pickled objects)."""
+    included), and the bytes its gradient's tensor collectives received."""
 
     seconds: float = 0.0
     calls: int = 0
     gradient_bytes: int = 0
-    object_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,7 +152,6 @@ class Group:
         started = time.perf_counter()
         numel = next((s.numel() for s in sums.values()), 0)
         gathered = gather((mine, sorted(sums), numel), "forward_backward's exchange")
-        self.exchanged.object_bytes += sum(len(pickle.dumps(g)) for g in gathered)
         every: dict[int, Part] = {}
         for parts, _, _ in gathered:
             every.update(parts)
