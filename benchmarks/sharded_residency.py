@@ -1,11 +1,17 @@
 """How much of a base model each rank of a sharded worker group holds after a forward, after a
 training step and after a sample: its shard of every decoder layer, the layers FSDP still holds
-gathered, and what stays whole (embeddings, final norm, output head), against the whole model.
+gathered, and what stays whole (embeddings, final norm, output head), against the whole model;
+and each rank's host memory while it loads the model, sampled every 2 ms above what it held
+before: its own (resident anonymous) memory, and the pages of the model's file it maps (the page
+cache: the kernel's, shared by every rank that maps the file, and reclaimable).
 
 Two ranks (gloo on the CPU, one process each, torchrun's environment) run the engine in the
-sharded layout, rank 0 driving through a `GroupExecutor` as a worker does.
+sharded layout, rank 0 driving through a `GroupExecutor` as a worker does. The model's files are
+prepared first (SmolLM2's GGUF converted into the cache), so the ranks measure loading alone.
+`--whole` loads as the engine did before `engine/models/weight_files.py`: the whole model into
+each rank's host memory, then sharded.
 
-    python benchmarks/sharded_residency.py [--model NAME]
+    python benchmarks/sharded_residency.py [--model NAME] [--whole]
 """
 
 from __future__ import annotations
@@ -22,6 +28,61 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MIB = 2**20
+
+
+def resident_bytes() -> tuple[int, int]:
+    """This process's resident (anonymous, file-backed) memory (`RssAnon`, `RssFile`): what it
+    holds itself, and the pages of files it maps (the safetensors file read while loading: the
+    page cache, shared by every process that maps the file, and reclaimable)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields["RssAnon"], fields["RssFile"]
+
+
+class PeakRss:
+    """This process's largest resident anonymous and file-backed memory while the block runs,
+    sampled by a thread every `every_seconds`."""
+
+    def __init__(self, every_seconds: float = 0.002) -> None:
+        self.every = every_seconds
+
+    def __enter__(self) -> PeakRss:
+        import threading
+
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self.before = self.peak = resident_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.after = resident_bytes()
+        self._note(self.after)
+
+    def _note(self, now: tuple[int, int]) -> None:
+        self.peak = (max(self.peak[0], now[0]), max(self.peak[1], now[1]))
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.every):
+            self._note(resident_bytes())
+
+
+def load_whole_as_before() -> None:
+    """Have the engine load a sharded model as it did before reading it a layer at a time: the
+    whole model into host memory, then sharded."""
+    from treadle.engine import engine as engine_module
+    from treadle.engine.models.loading import load_base_model
+
+    def whole(info: Any, cache_dir: Path, device: Any, dtype: Any) -> Any:
+        model, tokenizer = load_base_model(info, cache_dir, device, dtype, on_host=True)
+        return model, tokenizer, None
+
+    engine_module.load_deferred = whole  # type: ignore[attr-defined]
 
 
 def resident(engine: Any, model_name: str) -> dict[str, float]:
@@ -42,7 +103,7 @@ def resident(engine: Any, model_name: str) -> dict[str, float]:
     return {"whole_mib": whole / MIB, "held_mib": held / MIB, "fraction": held / whole}
 
 
-def rank_main(model_name: str, cache_dir: Path, out: Path) -> None:
+def rank_main(model_name: str, cache_dir: Path, out: Path, whole: bool) -> None:
     import numpy as np
 
     from treadle.engine import (
@@ -58,7 +119,23 @@ def rank_main(model_name: str, cache_dir: Path, out: Path) -> None:
 
     group = worker_group.init_from_env(timeout_seconds=600, device="cpu", layout="sharded")
     engine = Engine(cache_dir=cache_dir, device="cpu", parallel=group)
+    if whole:
+        load_whole_as_before()
+    engine.tokenizer(model_name)  # not part of loading the weights
+    with PeakRss() as rss:  # every rank at once: sharding is a collective
+        engine.load_base(model_name)
+    whole_bytes = sum(
+        p.numel() * p.element_size() for p in engine._bases[model_name].model.parameters()
+    )
+    loading = {
+        "whole_mib": whole_bytes / MIB,
+        "anon_peak_mib": (rss.peak[0] - rss.before[0]) / MIB,
+        "anon_kept_mib": (rss.after[0] - rss.before[0]) / MIB,
+        "file_peak_mib": (rss.peak[1] - rss.before[1]) / MIB,
+        "file_kept_mib": (rss.after[1] - rss.before[1]) / MIB,
+    }
     if not group.is_leader:
+        out.with_suffix(f".rank{group.rank}").write_text(json.dumps(loading))
         follow(engine, group)
         worker_group.leave(engine)
         return
@@ -73,7 +150,8 @@ def rank_main(model_name: str, cache_dir: Path, out: Path) -> None:
                 {"target_tokens": tokens[1:].astype(np.int64), "weights": np.ones(256)},
             )
         ]
-        result = {"loaded": resident(engine, model_name)}
+        result: dict[str, Any] = {"loading rank 0": loading}
+        result["loaded"] = resident(engine, model_name)
         leader.forward_backward("a", data, "cross_entropy", forward_only=True)
         result["after a forward"] = resident(engine, model_name)
         leader.forward_backward("a", data, "cross_entropy")
@@ -94,14 +172,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=SMOLLM2_NAME)
     parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--whole", action="store_true", help="load as before: whole, then shard")
     parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cache_dir = args.cache_dir or Path(tmp)
         if args.rank_mode:
-            rank_main(args.model, cache_dir, args.out)
+            rank_main(args.model, cache_dir, args.out, args.whole)
             return 0
+        from treadle.engine.models.loading import model_dir
+        from treadle.platform.models.catalog import get_base_model
+
+        info = get_base_model(args.model)
+        if info.kind == "gguf":
+            model_dir(info, cache_dir)  # converted once, before the ranks measure loading
         out, port = Path(tmp) / "out.json", str(free_port())
         procs = [
             subprocess.Popen(
@@ -115,6 +200,7 @@ def main() -> int:
                     str(cache_dir),
                     "--out",
                     str(out),
+                    *(["--whole"] if args.whole else []),
                 ],
                 env={
                     **os.environ,
@@ -130,7 +216,20 @@ def main() -> int:
         ]
         if any(p.wait() for p in procs):
             raise SystemExit("a rank failed")
-        for when, r in json.loads(out.read_text()).items():
+        results = json.loads(out.read_text())
+        results["loading rank 1"] = json.loads(out.with_suffix(".rank1").read_text())
+        for when in [w for w in results if w.startswith("loading")]:
+            r = results.pop(when)
+            whole = r["whole_mib"]
+            print(
+                f"{when:>22}: own memory peak {r['anon_peak_mib']:6.1f} MiB "
+                f"({r['anon_peak_mib'] / whole:.2f}), kept {r['anon_kept_mib']:6.1f} "
+                f"({r['anon_kept_mib'] / whole:.2f}); file pages mapped peak "
+                f"{r['file_peak_mib']:6.1f} ({r['file_peak_mib'] / whole:.2f}), kept "
+                f"{r['file_kept_mib']:6.1f} ({r['file_kept_mib'] / whole:.2f}); of a "
+                f"{whole:.1f} MiB model"
+            )
+        for when, r in results.items():
             print(
                 f"{when:>22}: rank 0 holds {r['held_mib']:7.1f} of {r['whole_mib']:7.1f} MiB "
                 f"({r['fraction']:.2f} of the model)"

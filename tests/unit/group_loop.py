@@ -5,6 +5,10 @@ sharded): rank 0 drives the loop through a `GroupExecutor` and writes the result
 others follow.
 
     python -m tests.unit.group_loop CACHE_DIR OUT.json [save|load FOLDER]
+
+With GROUP_LOOP_MODEL_FOLDER set (a folder `tests/tiny_models.py` wrote), the loop runs on that
+registered model instead of the tiny debug one: a sharded group then reads it from its files a
+layer at a time (`engine/models/weight_files.py`).
 """
 
 from __future__ import annotations
@@ -28,17 +32,37 @@ from treadle.engine import (  # noqa: E402
     SampleRequest,
     SamplingSpec,
 )
-from treadle.platform.models.catalog import TINY_DEBUG_NAME  # noqa: E402
+from treadle.platform.models import model_files  # noqa: E402
+from treadle.platform.models.catalog import (  # noqa: E402
+    TINY_DEBUG_NAME,
+    BaseModelInfo,
+    get_base_model,
+)
 
 MICROBATCH_TOKENS = 96  # small parts, so a request splits across ranks
 LORA = LoraSpec(rank=4, alpha=8.0, seed=7)
 ADAM = AdamSpec(learning_rate=1e-2)
 STEPS = 10
+BASE = TINY_DEBUG_NAME  # the model the loop runs on (`use_folder` changes it)
+TOKENS = 49_000  # data are drawn below this id
+FOLDER_MODEL = "tiny/group-loop"
+
+
+def use_folder(folder: Path) -> Any:
+    """Run the loop on the model saved in `folder`: the engine's `models` argument for it."""
+    global BASE, TOKENS
+    info = model_files.inspect_folder(FOLDER_MODEL, folder, model_files.Options())
+    BASE, TOKENS = info.name, info.tokenizer_vocab_size
+
+    def models(name: str) -> BaseModelInfo:
+        return info if name == info.name else get_base_model(name)
+
+    return models
 
 
 def datum(seed: int, n: int, rl: bool) -> EngineDatum:
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(1, 49_000, n + 1)
+    tokens = rng.integers(1, TOKENS, n + 1)
     inputs: dict[str, np.ndarray] = {"target_tokens": tokens[1:].astype(np.int64)}
     if rl:
         inputs["logprobs"] = np.full(n, -3.0, np.float32)
@@ -65,7 +89,7 @@ def sample_some(engine: Any, snapshot_id: str | None) -> list[Any]:
     step: each one's tokens and logprobs, or its error."""
     requests = [
         SampleRequest(
-            TINY_DEBUG_NAME,
+            BASE,
             snapshot_id,
             prompt,
             n,
@@ -92,9 +116,9 @@ def run_loop(engine: Any, load: Path | None = None, save: Path | None = None) ->
     `load`, the adapter starts from that export (weights and Adam state); with `save`, it is
     exported after five steps."""
     if load is None:
-        engine.create_adapter("a", TINY_DEBUG_NAME, LORA)
+        engine.create_adapter("a", BASE, LORA)
     else:
-        engine.import_adapter("a", TINY_DEBUG_NAME, load, with_optimizer=True)
+        engine.import_adapter("a", BASE, load, with_optimizer=True)
     steps = []
     samples = [sample_some(engine, None)]
     first = 0 if load is None else STEPS // 2
@@ -125,7 +149,7 @@ def run_loop(engine: Any, load: Path | None = None, save: Path | None = None) ->
 def broken_sampling(engine: Any) -> dict[str, Any]:
     """Sample while rank 1 cannot (its engine fails to open a batch), then train a step: what
     the batch raised, and whether the group went on."""
-    engine.create_adapter("a", TINY_DEBUG_NAME, LORA)
+    engine.create_adapter("a", BASE, LORA)
     try:
         sample_some(engine, None)
         error = ""
@@ -140,7 +164,7 @@ def sample_first(engine: Any) -> dict[str, Any]:
     """The base model's first use a sample (no adapter on it yet), then a training step: what
     was sampled and the weights after."""
     samples = sample_some(engine, None)
-    engine.create_adapter("a", TINY_DEBUG_NAME, LORA)
+    engine.create_adapter("a", BASE, LORA)
     engine.forward_backward("a", [datum(1, 40, False)], "cross_entropy")
     engine.optim_step("a", ADAM)
     return {"samples": samples, "weight_hash": engine.weight_hash("a")}
@@ -154,8 +178,14 @@ def main() -> None:
     mode, folder = (sys.argv[3], Path(sys.argv[4])) if len(sys.argv) > 4 else ("", None)
     layout = os.environ.get("GROUP_LOOP_LAYOUT", "replicated")
     g = worker_group.init_from_env(timeout_seconds=120, device="cpu", layout=layout)
+    model_folder = os.environ.get("GROUP_LOOP_MODEL_FOLDER")
+    models = use_folder(Path(model_folder)) if model_folder else get_base_model
     engine = Engine(
-        cache_dir=cache_dir, device="cpu", parallel=g, microbatch_tokens=MICROBATCH_TOKENS
+        cache_dir=cache_dir,
+        device="cpu",
+        parallel=g,
+        microbatch_tokens=MICROBATCH_TOKENS,
+        models=models,
     )
     if g.rank == 1 and os.environ.get("GROUP_LOOP_DRIFT"):  # a rank whose steps go elsewhere
         step = engine.optim_step
@@ -182,6 +212,9 @@ def main() -> None:
                     load=folder if mode == "load" else None,
                     save=folder if mode == "save" else None,
                 )
+            if layout == "sharded":  # how rank 0 holds a layer's weights
+                layer = engine._bases[BASE].model.get_decoder().layers[0]
+                result["mesh"] = list(next(layer.parameters()).device_mesh.shape)
         finally:
             leader.close()
         out.write_text(json.dumps(result))

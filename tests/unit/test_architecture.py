@@ -237,7 +237,8 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "losses": {"models", "memory", "lora"},
     "sampling": {"models", "memory", "lora", "losses"},
     "protocol": {"gradients", "lora", "losses", "optim", "sampling"},  # interfaces, value types
-    "distributed.group": {"protocol", "gradients"},  # a Parallelism: ranks, collectives, sharding
+    # a Parallelism: ranks, collectives, sharding (handing a loaded layer's pages back: memory)
+    "distributed.group": {"protocol", "gradients", "memory"},
     "training": _BELOW_PROTOCOL | {"protocol"},  # spread by a Parallelism, never the group
     "engine": _BELOW_PROTOCOL | {"protocol", "training"},
     "distributed.decoding": {"sampling", "distributed.group"},

@@ -36,8 +36,9 @@ from treadle.engine.losses.functions import (
 from treadle.engine.memory import fingerprint
 from treadle.engine.memory.capacity import device_memory_in_use
 from treadle.engine.memory.paging import Paging
-from treadle.engine.models.loading import load_base_model
+from treadle.engine.models.loading import load_base_model, load_deferred
 from treadle.engine.models.threads import threads_for
+from treadle.engine.models.weight_files import WeightFiles
 from treadle.engine.optim import AdamSpec
 from treadle.engine.protocol import (
     ALONE,
@@ -501,13 +502,19 @@ class Engine:
             if name not in self._bases:
                 info = self.models(name)
                 sharded = self.parallel.sharded
-                model, tokenizer = load_base_model(
-                    info, self.cache_dir, self.device, self.dtype, on_host=sharded
-                )
+                files: WeightFiles | None = None
+                if sharded:  # each rank reads a layer at a time and keeps its shard
+                    model, tokenizer, files = load_deferred(
+                        info, self.cache_dir, self.device, self.dtype
+                    )
+                else:
+                    model, tokenizer = load_base_model(
+                        info, self.cache_dir, self.device, self.dtype
+                    )
                 parameters = sum(p.numel() for p in model.parameters())
                 host = LoraHost(model)
                 if sharded:
-                    self.parallel.shard(model, self.device)
+                    self.parallel.shard(model, self.device, files)
                 elif self.pack_cpu_weights:
                     host.pack_for_sampling()  # a no-op off the CPU or without oneDNN
                 self._bases[name] = Base(info, model, tokenizer, host, parameters)

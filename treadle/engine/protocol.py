@@ -112,16 +112,28 @@ class Part:
 @dataclass(frozen=True)
 class Topology:
     """A worker group as the platform sees it: its world size, how it holds base models
-    (`layout`), and its collectives' timeout."""
+    (`layout`), its collectives' timeout, and its ranks per host (`node_size`; 0: one host)."""
 
     world_size: int
     layout: str
     timeout_seconds: float
+    node_size: int = 0
 
     @property
     def shards(self) -> int:
-        """Into how many parts each base model's decoder layers are split."""
-        return self.world_size if self.layout == "sharded" else 1
+        """Into how many parts each base model's decoder layers are split: across a host's
+        ranks (each host of a group on several holds a whole copy, sharded)."""
+        if self.layout != "sharded":
+            return 1
+        return self.node_size or self.world_size
+
+
+class WeightSource(Protocol):
+    """Where a model built on the meta device reads its parameters (`models.weight_files`)."""
+
+    def materialize(self, module: nn.Module) -> int:
+        """Give every meta parameter under `module` its values, in host memory."""
+        ...
 
 
 class Parallelism(Protocol):
@@ -150,8 +162,9 @@ class Parallelism(Protocol):
         (`gradients`): the same bits wherever the units were computed."""
         ...
 
-    def shard(self, model: nn.Module, device: torch.device) -> int:
-        """Split `model`'s decoder layers across the processes (when `sharded`)."""
+    def shard(self, model: nn.Module, device: torch.device, files: WeightSource | None) -> int:
+        """Split `model`'s decoder layers across the processes (when `sharded`), reading the
+        parameters still on the meta device from `files` as it goes."""
         ...
 
 
@@ -173,7 +186,7 @@ class Alone:
         assert sorted(mine) == list(range(count)), (sorted(mine), count)
         return [mine[p] for p in range(count)], combine(sums, units)
 
-    def shard(self, model: nn.Module, device: torch.device) -> int:
+    def shard(self, model: nn.Module, device: torch.device, files: WeightSource | None) -> int:
         raise AssertionError("a process alone shards nothing")
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import tiny_models
 from tests.unit import group_loop
 from tests.unit.engine_support import shared_cache_dir
 from treadle.engine import Engine
@@ -43,15 +44,24 @@ def one_process(cache_dir: Path, **kwargs: Any) -> dict[str, Any]:
 
 
 def run_ranks(
-    cache_dir: Path, out: Path, *extra: str, env: dict[str, str] | None = None
+    cache_dir: Path,
+    out: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    world_size: int = 2,
+    node_size: int | None = None,
 ) -> tuple[list[int], str]:
-    """The loop on a group of two ranks, each a process with torchrun's environment: their
-    exit statuses and output."""
+    """The loop on a group of `world_size` ranks (two by default), each a process with
+    torchrun's environment, as if `node_size` of them ran on each host (all on one by
+    default): their exit statuses and output."""
     port = str(free_port())
+    node_size = node_size or world_size
     procs = []
-    for rank in range(2):
-        rank_env = {**os.environ, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+    for rank in range(world_size):
+        rank_env = {**os.environ, **(env or {}), "RANK": str(rank),
+                    "LOCAL_RANK": str(rank % node_size), "LOCAL_WORLD_SIZE": str(node_size),
+                    "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port}  # fmt: skip
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "tests.unit.group_loop", str(cache_dir), str(out), *extra],
             cwd=ROOT, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -99,6 +109,58 @@ def test_two_ranks_equal_one_process_bit_for_bit(
     assert alone["weight_hash"] == grouped["weight_hash"]
     same_samples(alone["samples"], grouped["samples"])
     assert any(isinstance(r, str) and "stopped at step 3" in r for r in grouped["samples"][0])
+
+
+def test_a_group_on_two_hosts_shards_within_each_and_equals_one_process_bit_for_bit(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Hybrid sharding: four ranks as two hosts of two (torchrun's LOCAL_WORLD_SIZE), each
+    host's ranks sharding a whole copy of every decoder layer between them."""
+    alone = one_process(cache_dir)
+    out = tmp_path / "out.json"
+    env = {"GROUP_LOOP_LAYOUT": "sharded"}
+    codes, logs = run_ranks(cache_dir, out, env=env, world_size=4, node_size=2)
+    assert codes == [0] * 4, logs[-6000:]
+    grouped = json.loads(out.read_text())
+    assert grouped["mesh"] == [2, 2]  # two hosts, each layer split between a host's two ranks
+    for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
+        assert a["state"] == b["state"], f"step {step}"
+        assert a["logprobs"] == b["logprobs"] and a["losses"] == b["losses"], f"step {step}"
+    assert alone["weight_hash"] == grouped["weight_hash"]
+    same_samples(alone["samples"], grouped["samples"])
+
+
+def test_a_group_whose_ranks_do_not_split_into_equal_hosts_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot be split into hosts of 2"):
+        Group(0, 3, 60.0, "sharded", node_size=2)
+
+
+def test_a_sharded_group_reading_its_model_a_layer_at_a_time_equals_one_process(
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registered model: each rank builds it on the meta device and reads its decoder layers
+    from the safetensors file one at a time, keeping its shards; one process loads it whole."""
+    folder = tiny_models.model_folder("llama3", tmp_path / "model")
+    monkeypatch.setattr(group_loop, "BASE", group_loop.BASE)  # restored after the test
+    monkeypatch.setattr(group_loop, "TOKENS", group_loop.TOKENS)
+    models = group_loop.use_folder(folder)
+    engine = Engine(
+        cache_dir=cache_dir,
+        device="cpu",
+        microbatch_tokens=group_loop.MICROBATCH_TOKENS,
+        models=models,
+    )
+    alone = group_loop.run_loop(engine)
+    out = tmp_path / "out.json"
+    env = {"GROUP_LOOP_LAYOUT": "sharded", "GROUP_LOOP_MODEL_FOLDER": str(folder)}
+    codes, logs = run_ranks(cache_dir, out, env=env)
+    assert codes == [0, 0], logs[-6000:]
+    grouped = json.loads(out.read_text())
+    for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
+        assert a["state"] == b["state"], f"step {step}"
+        assert a["logprobs"] == b["logprobs"] and a["losses"] == b["losses"], f"step {step}"
+    assert alone["weight_hash"] == grouped["weight_hash"]
+    same_samples(alone["samples"], grouped["samples"])
 
 
 @pytest.mark.parametrize("layout", ["replicated", "sharded"])

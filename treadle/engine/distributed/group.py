@@ -18,8 +18,9 @@ are the same bit for bit at every world size.
 
 Layouts: `replicated` (every rank holds the whole base model) or `sharded` (`shard_layers`: each
 decoder layer's frozen weights split across the ranks with FSDP2's `fully_shard` over a
-`DeviceMesh`, gathered layer by layer for each pass; the embeddings, final norm and output head
-stay whole on every rank). A sharded forward pass is a collective: every rank runs as many
+`DeviceMesh`, read a layer at a time, gathered layer by layer for each pass; the embeddings,
+final norm and output head stay whole on every rank; a group on several hosts shards within
+each host, hybrid). A sharded forward pass is a collective: every rank runs as many
 passes as the others (`Group.passes`), and samples are decoded on every rank in lockstep.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
@@ -41,7 +42,8 @@ import torch.distributed as dist
 from torch import nn
 
 from treadle.engine.gradients import combine, units_of
-from treadle.engine.protocol import Part, Topology
+from treadle.engine.memory.heap import release_excess
+from treadle.engine.protocol import Part, Topology, WeightSource
 from treadle.platform.config import GROUP_LAYOUTS as LAYOUTS
 
 __all__ = [
@@ -82,15 +84,26 @@ class Group:
     world_size: int
     timeout_seconds: float
     layout: str = "replicated"
+    node_size: int = 0  # ranks per host (torchrun's LOCAL_WORLD_SIZE); 0: every rank on one
     exchanged: CollectiveTime = field(default_factory=CollectiveTime, compare=False)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; use one of {', '.join(LAYOUTS)}")
+        if self.node_size and (self.node_size < 1 or self.world_size % self.node_size):
+            raise ValueError(
+                f"{self.world_size} ranks cannot be split into hosts of {self.node_size}; start "
+                "the same number of ranks on every host"
+            )
 
     @property
     def topology(self) -> Topology:
-        return Topology(self.world_size, self.layout, self.timeout_seconds)
+        return Topology(self.world_size, self.layout, self.timeout_seconds, self.node_size)
+
+    @property
+    def hosts(self) -> int:
+        """How many hosts the group spans (1 unless `node_size` says otherwise)."""
+        return self.world_size // self.node_size if self.node_size else 1
 
     @property
     def is_leader(self) -> bool:
@@ -140,9 +153,9 @@ class Group:
         smallest = min(range(len(tokens_P)), key=lambda p: (tokens_P[p], p))
         return mine + [(smallest, False)] * (most - len(mine))
 
-    def shard(self, model: nn.Module, device: torch.device) -> int:
+    def shard(self, model: nn.Module, device: torch.device, files: WeightSource | None) -> int:
         """See `shard_layers`."""
-        return shard_layers(model, self, device)
+        return shard_layers(model, self, device, files)
 
     def exchange(
         self, mine: dict[int, Part], sums: dict[int, torch.Tensor], units: Sequence[range]
@@ -217,9 +230,12 @@ def init_from_env(
     timeout_seconds: float, device: str | None = None, layout: str = "replicated"
 ) -> Group:
     """Join the process group torchrun's environment describes (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT): NCCL on CUDA, gloo on the CPU, every collective bounded by `timeout_seconds`."""
+    MASTER_PORT; LOCAL_WORLD_SIZE, the ranks on each host): NCCL on CUDA, gloo on the CPU,
+    every collective bounded by `timeout_seconds`."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    group = Group(rank, world_size, timeout_seconds, layout)  # ValueError for a bad layout
+    node_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    node_size = 0 if node_size == world_size else node_size
+    group = Group(rank, world_size, timeout_seconds, layout, node_size)  # ValueError: bad layout
     on_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if on_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -232,15 +248,22 @@ def init_from_env(
     return group
 
 
-def shard_layers(model: nn.Module, group: Group, device: torch.device) -> int:
+def shard_layers(
+    model: nn.Module, group: Group, device: torch.device, files: WeightSource | None = None
+) -> int:
     """Split each decoder layer's weights (the backbone's `layers`) across the group's ranks with
-    FSDP2's `fully_shard` on a one-dimensional `DeviceMesh`, the backbone their root; each pass
-    gathers a layer's weights just before it runs and frees them after. The rest of the model (embeddings, final norm,
-    output head: what the chunked logprobs call outside the model's forward) stays whole.
-    `model` may be in host memory: FSDP moves each layer to `device` as it shards it (one whole
-    layer there at a time), and the rest follows, so the device never holds the whole model.
-    Returns the number of layers sharded (0: a model without a `layers` list runs whole, and
-    is moved to `device`)."""
+    FSDP2's `fully_shard` on a one-dimensional `DeviceMesh`, the backbone their root (on a group
+    spanning several hosts, a two-dimensional one: hybrid sharding, each host's ranks sharding
+    a whole copy among themselves, so a layer's gather never leaves the host); each pass
+    gathers a layer's weights just before it runs and frees them after. The rest of the model
+    (embeddings, final norm, output head: what the chunked logprobs call outside the model's
+    forward) stays whole.
+    `model` may be in host memory, or have its parameters on the meta device with `files` to
+    read them from: each layer is read whole into host memory just before FSDP shards it (so a
+    rank holds at most one whole layer beyond its shards while loading), FSDP moves its shard to
+    `device`, and the rest follows, so neither the host nor the device ever holds the whole
+    model. Returns the number of layers sharded (0: a model without a `layers` list runs whole,
+    and is moved to `device`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -248,11 +271,23 @@ def shard_layers(model: nn.Module, group: Group, device: torch.device) -> int:
     decoder = get_decoder() if callable(get_decoder) else model
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
+        if files is not None:
+            files.materialize(model)
         _to_device(model, device, skip=set())
         return 0
-    mesh = init_device_mesh(device.type, (group.world_size,))
+    if group.hosts > 1:  # hybrid: each host holds a whole copy, sharded across its ranks
+        mesh = init_device_mesh(
+            device.type, (group.hosts, group.node_size), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(device.type, (group.world_size,))
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
+        if files is not None:
+            files.materialize(layer)
+        fully_shard(layer, mesh=mesh)  # keeps a copy of this rank's shard; the layer read goes
+        release_excess(keep=0)  # its pages too, or the C heap keeps them
+    if files is not None:
+        files.materialize(model)  # the rest, whole on every rank
     in_layers = {id(t) for t in itertools.chain(layers.parameters(), layers.buffers())}
     # The backbone is the root (sharding nothing of its own: its embeddings and final norm stay
     # whole), so that each layer is not one: FSDP keeps a root's weights gathered after its
@@ -268,6 +303,7 @@ def shard_layers(model: nn.Module, group: Group, device: torch.device) -> int:
         for layer in layers:
             layer.unshard()  # type: ignore[operator]
             layer.reshard()  # type: ignore[operator]
+            release_excess(keep=0)
     return len(layers)
 
 

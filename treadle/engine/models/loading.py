@@ -24,10 +24,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from treadle.engine.models.weight_files import WeightFiles, build_deferred
 from treadle.platform.models.catalog import BaseModelInfo, get_base_model, gguf_path
 from treadle.platform.models.tokenizers import load_tokenizer, safe_name
 
-__all__ = ["TINY_DEBUG_SEED", "build_tiny_debug", "load_base_model", "model_dir"]
+__all__ = ["TINY_DEBUG_SEED", "build_tiny_debug", "load_base_model", "load_deferred", "model_dir"]
 
 TINY_DEBUG_SEED = 0
 
@@ -62,6 +63,27 @@ def load_base_model(
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def load_deferred(
+    base: str | BaseModelInfo, cache_dir: Path, device: str | torch.device, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, WeightFiles | None]:
+    """The base model as a sharded worker group loads it: its parameters left on the meta
+    device, with where to read them (`weight_files`), so that each rank reads one decoder layer
+    at a time and keeps only its shard; or whole in host memory, with None, where its files do
+    not allow that (the tiny debug model; a checkpoint transformers converts while loading).
+    In the dtype `device` would get, frozen, with its tokenizer."""
+    info = base if isinstance(base, BaseModelInfo) else get_base_model(base)
+    if info.kind == "tiny-debug":
+        model, tokenizer = load_base_model(info, cache_dir, device, dtype, on_host=True)
+        return model, tokenizer, None
+    tokenizer = load_tokenizer(info, cache_dir)
+    if info.kind == "hf":
+        assert info.path is not None, info
+        model, files = build_deferred(Path(info.path), _registered_dtype(info, device, dtype))
+    else:
+        model, files = build_deferred(model_dir(info, cache_dir), dtype)
+    return model, tokenizer, files
 
 
 def _registered_dtype(
