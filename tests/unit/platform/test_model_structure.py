@@ -7,6 +7,7 @@ or modules that did not resolve. No list of architecture names is involved."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -141,3 +142,21 @@ def test_the_inspection_reads_transformers_table_without_importing_it(
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["Olmo2ForCausalLM", "[]"]
+
+
+def test_without_transformers_the_structure_check_still_runs(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An API process without transformers cannot read its table (the workers' load checks
+    that); the layer types and the target rules are still checked."""
+    from treadle.platform.models import structure
+
+    monkeypatch.setattr(structure.importlib.util, "find_spec", lambda name: None)
+    structure.causal_lm_classes.cache_clear()
+    try:
+        assert structure.causal_lm_classes() is None
+        assert inspect(folders["olmo2"]).architecture == "Olmo2ForCausalLM"
+        with pytest.raises(ValidationError, match=re.escape("model.layers.*.mlp.c_fc")):
+            inspect(folders["starcoder2"])
+    finally:
+        structure.causal_lm_classes.cache_clear()

@@ -105,12 +105,16 @@ def check_structure(
 def causal_lm_classes() -> tuple[str, dict[str, str]] | None:
     """(version, model_type -> class) of the installed transformers' `AutoModelForCausalLM`
     table, read from its source without importing it (importing transformers imports torch);
-    None where transformers is not installed in this process."""
+    None where transformers is not installed in this process or its table is not where
+    transformers 4.x and 5.x keep it (then the workers' load is the only check)."""
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
         return None
     source = Path(spec.submodule_search_locations[0]) / "models" / "auto" / "modeling_auto.py"
-    tree = ast.parse(source.read_text(encoding="utf-8"))
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
     for node in tree.body:
         if (
             isinstance(node, ast.Assign)
@@ -121,9 +125,12 @@ def causal_lm_classes() -> tuple[str, dict[str, str]] | None:
             and isinstance(node.value, ast.Call)
             and node.value.args
         ):
-            pairs = ast.literal_eval(node.value.args[0])
-            return metadata.version("transformers"), {str(k): str(v) for k, v in pairs}
-    raise RuntimeError(f"{source} has no MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+            try:
+                pairs = ast.literal_eval(node.value.args[0])
+                return metadata.version("transformers"), {str(k): str(v) for k, v in pairs}
+            except (ValueError, TypeError, metadata.PackageNotFoundError):
+                return None
+    return None
 
 
 def _check_transformers_builds(architecture: str, model_type: str) -> None:
