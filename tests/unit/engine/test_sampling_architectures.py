@@ -1,7 +1,8 @@
 """Batched decoding on every architecture Treadle is tested on (tests/architectures.py),
-sliding-window ones included, with prompts and continuations longer than their window: a job's tokens are the
-same alone and inside a left-padded batch that another job joins mid-decoding, and its logprobs
-(sampled and prompt) are those of one plain forward pass without a cache, with a LoRA adapter.
+sliding-window ones included, with prompts and continuations longer than their window: a job's
+tokens are the same alone and inside a left-padded batch that another job joins mid-decoding, and
+its logprobs (sampled and prompt) are those of one plain forward pass without a cache, with a LoRA
+adapter.
 """
 
 from __future__ import annotations
