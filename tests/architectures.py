@@ -6,8 +6,8 @@ sliding/full layers, tied embeddings and logit soft-capping, Phi-3's fused `qkv_
 `gate_up_proj`, Qwen3-MoE's and gpt-oss's experts stored as 3-D parameters; and four the registry
 admits by structure alone, `BY_STRUCTURE`) and every size shrunk so a forward pass takes
 milliseconds on the CPU. `REFUSED` are real architectures registration refuses (a block the
-target rules do not resolve, layers the sampler cannot cache). `build(name, vocab_size)` makes the model with a
-fixed seed, bit-identical in every process; tests save it with `save_pretrained`.
+target rules do not resolve, layers the sampler cannot cache). `build(name, vocab_size)` makes
+the model with a fixed seed, bit-identical in every process; tests save it with `save_pretrained`.
 """
 
 from __future__ import annotations
