@@ -1,10 +1,13 @@
-"""Base models the operator registers, end to end: tiny random models of eight architectures
-(tests/architectures.py; tokenizers trained here, one byte-level BPE, one SentencePiece) saved
-with `save_pretrained`, registered with `treadle models add`, and driven through the plain
-tinker SDK against the served platform (`treadle up`, real workers): every served loss,
-optim_step, sample, compute_logprobs, save_state and load, and a merged export loaded by plain
-transformers. Sample logprobs equal forward logprobs; a sample alone equals the same sample
-among other architectures' samples.
+"""Base models the operator registers, end to end: tiny random models of twelve architectures
+(tests/architectures.py: the eight once admitted by name, four admitted by structure alone;
+tokenizers trained here, one byte-level BPE, one SentencePiece) saved with `save_pretrained`,
+registered with `treadle models add`, and driven through the plain tinker SDK against the served
+platform (`treadle up`, real workers): every served loss, optim_step, sample, compute_logprobs,
+save_state and load, and a merged export loaded by plain transformers. Sample logprobs equal
+forward logprobs; a sample alone equals the same sample among other architectures' samples. The
+architectures admitted by structure train every attention and MLP linear, the modules peft's
+`all-linear` chooses, with the logprobs peft computes from the exported adapter; architectures
+whose blocks do not resolve are refused by `treadle models add` with the modules named.
 """
 
 from __future__ import annotations
@@ -300,6 +303,88 @@ print(json.dumps(bad))
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
 
 
+# peft 0.21's PeftModel asks transformers 5 for a deprecated attribute
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("arch", architectures.BY_STRUCTURE)
+def test_a_model_admitted_by_structure_trains_the_linears_peft_chooses(
+    platform: Platform,
+    key: str,
+    service: tinker.ServiceClient,
+    names: dict[str, str],
+    folders: dict[str, Path],
+    arch: str,
+    tmp_path: Path,
+) -> None:
+    """Attention and MLP adapted through the tinker SDK: the exported adapter adapts exactly the
+    modules peft's `target_modules="all-linear"` chooses (every linear of every decoder layer),
+    and peft with it computes the logprobs the platform served after two steps."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    tc = service.create_lora_training_client(
+        names[arch], rank=4, seed=5, train_unembed=False
+    ).result()
+    for _ in range(2):
+        tc.forward_backward([ce_datum(PROMPT)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    served = forward_logprobs(tc, PROMPT)
+    path = tc.save_weights_for_sampler("peft").result().path
+    checkpoints = CheckpointsClient(platform.base_url, key)
+    try:
+        checkpoints.download(path, tmp_path / "adapter")
+    finally:
+        checkpoints.http.close()
+
+    def adapted(model: torch.nn.Module) -> set[str]:
+        return {
+            n.removeprefix("base_model.model.")
+            for n, m in model.named_modules()
+            if isinstance(m, LoraLayer)
+        }
+
+    def base() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(str(folders[arch]), dtype=torch.float32)
+
+    chosen = adapted(get_peft_model(base(), LoraConfig(r=4, target_modules="all-linear")))
+    decoder = {
+        n for n, m in base().named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n
+    }
+    loaded = PeftModel.from_pretrained(base(), str(tmp_path / "adapter")).eval()
+    assert adapted(loaded) == chosen == decoder
+    with torch.no_grad():
+        logits = loaded(input_ids=torch.tensor([PROMPT[:-1]])).logits[0].double()
+    logprobs = torch.log_softmax(logits, -1)[
+        torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])
+    ]
+    np.testing.assert_allclose(logprobs.numpy(), served, atol=1e-5)
+    bare = base()
+    with torch.no_grad():
+        untrained = torch.log_softmax(
+            bare(input_ids=torch.tensor([PROMPT[:-1]])).logits[0].double(), -1
+        )[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
+    assert np.abs(untrained.numpy() - served).max() > 1e-3  # the adapter changed the model
+
+
+@pytest.mark.parametrize(
+    ("arch", "named"),
+    [
+        ("starcoder2", ["model.layers.*.mlp.c_fc", "model.layers.*.mlp.c_proj"]),
+        ("qwen3-next", ["layer 0 is linear_attention", "model.layers.*.linear_attn.in_proj_qkvz"]),
+        ("falcon-h1", ["recurrent layers (mamba_", "model.layers.*.mamba.in_proj"]),
+    ],
+)
+def test_models_add_refuses_a_structure_it_cannot_resolve_naming_it(
+    platform: Platform, arch: str, named: list[str], tmp_path: Path
+) -> None:
+    folder = tiny_models.model_folder(arch, tmp_path / arch)
+    done = cli(platform, "models", "add", f"refused-{secrets.token_hex(3)}/{arch}",
+               "--path", str(folder))  # fmt: skip
+    assert done.returncode == 1, done.stdout
+    for words in named:
+        assert words in done.stderr, done.stderr
+
+
 # -- hostile registrations: each a clear 4xx, nothing half-registered -------------------------
 
 
@@ -338,9 +423,13 @@ def test_hostile_registrations_are_clear_4xx_and_leave_nothing(
             broken("c", config_edit(architectures=["BertForMaskedLM"], model_type="bert")), 400,
             "not a causal language model",
         ),
-        "unknown-arch": (
+        "other-class": (
             broken("d", config_edit(architectures=["FalconH1ForCausalLM"])), 400,
-            "not one Treadle admits",
+            "builds Qwen3ForCausalLM for its model_type 'qwen3'",
+        ),
+        "linear-attention": (
+            broken("i", config_edit(layer_types=["linear_attention", "full_attention"])), 400,
+            "layer 0 is linear_attention",
         ),
         "small-embedding": (broken("e", config_edit(vocab_size=64)), 400, "tokenizer has"),
         "mxfp4": (

@@ -215,14 +215,15 @@ def test_api_surfaces_import_no_other_surface() -> None:
     assert violations == []
 
 
-# treadle/engine: what it may take from the platform (errors, config, the model catalogue, loss
-# specs, tokenizers, validation limits), and its rooms in layers: each unit imports only those
-# its row names (and itself). `treadle.engine` itself (its __init__) is the facade the worker
-# imports and may import any room.
+# treadle/engine: what it may take from the platform (errors, config, the model catalogue, the
+# LoRA target names, loss specs, tokenizers, validation limits), and its rooms in layers: each
+# unit imports only those its row names (and itself). `treadle.engine` itself (its __init__) is
+# the facade the worker imports and may import any room.
 ENGINE_PLATFORM = {
     "treadle.platform.errors",
     "treadle.platform.config",
     "treadle.platform.models.catalog",
+    "treadle.platform.models.lora_names",  # the LoRA target rules registration applies too
     "treadle.platform.models.losses",
     "treadle.platform.models.tokenizers",
     "treadle.platform.models.validation",

@@ -1,6 +1,8 @@
-"""LoRA on every architecture Treadle admits (tiny random models of `tests/architectures.py`):
-Treadle adapts the modules peft adapts, its loss and LoRA gradients equal peft's, its exports
-load in plain peft and transformers, and MoE models with 3-D experts refuse MLP training."""
+"""LoRA on every architecture Treadle is tested on (tiny random models of `tests/architectures.py`,
+the eight once admitted by name and those admitted by structure): Treadle adapts the modules peft
+adapts (with Treadle's suffixes, and peft's own `all-linear` choice), its loss and LoRA gradients
+equal peft's, its exports load in plain peft and transformers, MoE models with 3-D experts refuse
+MLP training, and the engine resolves a refused architecture's blocks as registration did."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tests.architectures import ARCHITECTURES, MOE, build
+from tests.architectures import ARCHITECTURES, MOE, build, config
 from treadle.engine.lora import files as adapter_files
 from treadle.engine.lora.adapters import LoraHost, LoraSpec, LoraWeights
 from treadle.engine.lora.targets import (
@@ -225,6 +227,51 @@ def test_loss_and_lora_grads_equal_peft(arch: str) -> None:
         ):
             assert ours.grad is not None and theirs.grad is not None, name
             torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_attention_and_mlp_equal_peft_on_the_modules_peft_chooses(arch: str) -> None:
+    """peft's own choice, `target_modules="all-linear"` (every linear but the output layer), is
+    what Treadle adapts with train_attn and train_mlp; loss and LoRA grads equal peft's."""
+    spec = spec_for(arch, unembed=False)
+    model = build(arch)
+    host = LoraHost(model)
+    weights = random_weights(host, spec)
+    chosen = get_peft_model(
+        build(arch), LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear", lora_dropout=0.0)
+    )
+    assert set(weights.A) == peft_adapted(chosen)
+    with torch.no_grad():
+        for name in weights.A:
+            layer = chosen.base_model.model.get_submodule(name)
+            layer.lora_A["default"].weight.copy_(weights.A[name])
+            layer.lora_B["default"].weight.copy_(weights.B[name])
+    with host.use(weights):
+        loss = treadle_loss(model)
+        loss.backward()
+    theirs = reference_loss(chosen)
+    theirs.backward()
+    torch.testing.assert_close(loss, theirs, rtol=1e-6, atol=1e-5)
+    for name in weights.A:
+        layer = chosen.base_model.model.get_submodule(name)
+        for ours, peft_w in (
+            (weights.A[name], layer.lora_A["default"].weight),
+            (weights.B[name], layer.lora_B["default"].weight),
+        ):
+            assert ours.grad is not None and peft_w.grad is not None, name
+            torch.testing.assert_close(ours.grad, peft_w.grad, rtol=0, atol=1e-5)
+
+
+def test_the_engine_finds_the_unknown_mlp_linears_registration_refuses() -> None:
+    """Starcoder2 (refused at registration for model.layers.*.mlp.c_fc and c_proj): the engine's
+    rules, the same tables, leave the same linears unknown and refuse MLP training."""
+    model = build("starcoder2", cfg=config("starcoder2"))
+    targets = resolve(model)
+    assert {(c, n.split(".", 3)[-1]) for c, n in targets.unknown} == {
+        ("mlp", "mlp.c_fc"), ("mlp", "mlp.c_proj")
+    }  # fmt: skip
+    with pytest.raises(ValidationError, match="c_fc.*train_mlp=False"):
+        targets.for_spec(LoraSpec(4, 8.0))
 
 
 # -- exports ------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""Batched decoding on every architecture Treadle admits (tests/architectures.py), sliding-window
-ones included, with prompts and continuations longer than their window: a job's tokens are the
-same alone and inside a left-padded batch that another job joins mid-decoding, and its logprobs
-(sampled and prompt) are those of one plain forward pass without a cache, with a LoRA adapter.
+"""Batched decoding on every architecture Treadle is tested on (tests/architectures.py),
+sliding-window ones included, with prompts and continuations longer than their window: a job's
+tokens are the same alone and inside a left-padded batch that another job joins mid-decoding, and
+its logprobs (sampled and prompt) are those of one plain forward pass without a cache, with a LoRA
+adapter.
 """
 
 from __future__ import annotations
@@ -167,10 +168,19 @@ def test_a_model_with_other_attention_layers_is_refused() -> None:
         DecodeBatch(model, LoraHost(model), eos_token_id=None, decode=_decode)
 
 
+def test_registration_admits_the_layer_types_the_sampler_caches() -> None:
+    """One rule in two places (the API cannot import the engine): the layer types registration
+    admits (platform/models/structure.py) are the ones the decode loop serves."""
+    from treadle.engine.sampling import decode
+    from treadle.platform.models.structure import CACHED_LAYER_TYPES
+
+    assert CACHED_LAYER_TYPES == decode._LAYER_TYPES
+
+
 def test_a_sample_alone_equals_it_among_other_architectures_requests_on_one_engine(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """One worker's engine hosting all eight registered architectures: each request sampled
+    """One worker's engine hosting every registered architecture of tests/architectures.py: each request sampled
     alone returns the tokens and logprobs it returns inside one `sample_batch` with the other
     architectures' requests and another request on its own base (one adapted by a snapshot,
     one on the base alone, of different prompt lengths)."""

@@ -1,23 +1,35 @@
 """Which linears of a loaded causal LM a LoRA adapter trains, by category: attention, MLP and
 unembedding (`LoraSpec`'s `train_attn`, `train_mlp`, `train_unembed`).
 
-Owns the suffix tables (standard names plus per-architecture extras, like peft's
-`TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`), `resolve(model) -> LoraTargets` and the
+Applies the target rules of `treadle/platform/models/lora_names.py` (the suffix tables, router
+and block names, which registration applies to a folder's tensor names too; re-exported here)
+to the loaded modules: owns `resolve(model) -> LoraTargets` and the
 refusals: a requested category that matches no linear, one whose blocks hold linears the tables do
 not know, and MLP training where the experts are 3-D parameters (no `nn.Linear` to wrap). A linear
 counts by where it sits (inside a decoder layer's attention block or its MLP block) and by its
-name; MoE routers are never targets. `suffix_category` needs no model, for reading peft configs.
+name; MoE routers are never targets.
 Must not import flask, sqlalchemy, celery, treadle.api or treadle.engine.lora.adapters (which uses it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from torch import nn
 
 from treadle.platform.errors import ValidationError
+from treadle.platform.models.lora_names import (
+    ATTN_SUFFIXES,
+    MLP_SUFFIXES,
+    UNEMBED_SUFFIXES,
+    Category,
+    suffix_category,
+)
+from treadle.platform.models.lora_names import BLOCK_CLASS_HINTS as _BLOCK_CLASS_HINTS
+from treadle.platform.models.lora_names import BLOCK_NAMES as _BLOCK_NAMES
+from treadle.platform.models.lora_names import ROUTER_NAMES as _ROUTER_NAMES
+from treadle.platform.models.lora_names import suffixes as _suffixes
 
 __all__ = [
     "ATTN_SUFFIXES",
@@ -29,38 +41,6 @@ __all__ = [
     "resolve",
     "suffix_category",
 ]
-
-Category = Literal["attn", "mlp", "unembed"]
-
-# Standard names: Llama, Qwen, Mistral, Gemma, gpt-oss; Phi-3's fused qkv_proj and gate_up_proj;
-# fc1/fc2 (Phi-2, OPT-style MLPs).
-ATTN_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
-MLP_SUFFIXES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "fc1", "fc2")
-UNEMBED_SUFFIXES = ("lm_head", "embed_out")
-
-_MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's latent attention
-
-# Extra names by `config.model_type`, where an architecture departs from the standard ones.
-_EXTRA_SUFFIXES: dict[str, dict[Category, tuple[str, ...]]] = {
-    "gpt_neox": {"attn": ("query_key_value", "dense"), "mlp": ("dense_h_to_4h", "dense_4h_to_h")},
-    "falcon": {"attn": ("query_key_value", "dense"), "mlp": ("dense_h_to_4h", "dense_4h_to_h")},
-    "phi": {"attn": ("dense",)},
-    "deepseek_v2": {"attn": _MLA},
-    "deepseek_v3": {"attn": _MLA},
-}
-
-# Inside an MLP block, linears on these paths choose experts; they are never LoRA targets.
-_ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
-
-# Block names (a decoder layer's child) and class-name fragments that mark each kind of block.
-_BLOCK_NAMES: dict[Category, frozenset[str]] = {
-    "attn": frozenset({"self_attn", "attn", "attention", "self_attention"}),
-    "mlp": frozenset({"mlp", "feed_forward", "ffn", "block_sparse_moe", "moe"}),
-}
-_BLOCK_CLASS_HINTS: dict[Category, tuple[str, ...]] = {
-    "attn": ("Attention",),
-    "mlp": ("MLP", "Moe", "MoE", "FeedForward", "Experts"),
-}
 
 _FLAGS: dict[Category, tuple[str, str]] = {  # category -> (spec flag, words for messages)
     "attn": ("train_attn", "attention"),
@@ -126,7 +106,7 @@ class LoraTargets:
                     f"{self.architecture}'s {words} blocks hold linears Treadle does not "
                     f"recognise ({', '.join(strangers[:3])}{', ...' if len(strangers) > 3 else ''})"
                     f"; create the session with {flag}=False, or add their names to the suffix "
-                    "table in treadle/engine/lora/targets.py"
+                    "table in treadle/platform/models/lora_names.py"
                 )
             found = getattr(self, category)
             if not found:
@@ -140,15 +120,6 @@ class LoraTargets:
     def suffixes(self, spec: TrainFlags) -> tuple[str, ...]:
         """The last name components of `for_spec(spec)`, sorted: peft's `target_modules`."""
         return tuple(sorted({name.rsplit(".", 1)[-1] for name in self.for_spec(spec)}))
-
-
-def suffix_category(suffix: str) -> Category | None:
-    """The category a module-name suffix belongs to in any architecture Treadle knows (None for
-    an unknown one). Needs no model: for reading a peft config's `target_modules`."""
-    for category in _FLAGS:
-        if suffix in _all_suffixes(category):
-            return category
-    return None
 
 
 def resolve(model: nn.Module) -> LoraTargets:
@@ -194,20 +165,6 @@ def resolve(model: nn.Module) -> LoraTargets:
 
 
 # -- internals -----------------------------------------------------------------------------------
-
-
-def _all_suffixes(category: Category) -> tuple[str, ...]:
-    extras = (e.get(category, ()) for e in _EXTRA_SUFFIXES.values())
-    return _base_suffixes(category) + tuple(s for group in extras for s in group)
-
-
-def _base_suffixes(category: Category) -> tuple[str, ...]:
-    return {"attn": ATTN_SUFFIXES, "mlp": MLP_SUFFIXES, "unembed": UNEMBED_SUFFIXES}[category]
-
-
-def _suffixes(category: Category, model_type: str) -> frozenset[str]:
-    extra = _EXTRA_SUFFIXES.get(model_type, {}).get(category, ())
-    return frozenset(_base_suffixes(category) + extra)
 
 
 def _decoder_layers(model: nn.Module) -> str | None:

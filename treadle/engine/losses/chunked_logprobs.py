@@ -23,14 +23,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import (
     Gemma3ForCausalLM,
+    GlmForCausalLM,
     GptOssForCausalLM,
     LlamaForCausalLM,
     MistralForCausalLM,
+    Olmo2ForCausalLM,
     Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
+    SmolLM3ForCausalLM,
+    StableLmForCausalLM,
 )
 
 from treadle.engine.memory.capacity import device_memory
@@ -50,6 +54,7 @@ Head = Callable[[Tensor], Tensor]  # final hidden states [N, H] -> logits [N, V]
 
 # CausalLMs whose forward (transformers 5.25) is `lm_head(backbone(...).last_hidden_state)` and
 # nothing more; Gemma 3 then soft-caps. Matched by exact type: a subclass may change its forward.
+# Any other architecture the registry admits by its structure runs its own forward, full logits.
 # Router aux losses (Qwen3-MoE, gpt-oss) come only with output_router_logits, which the loss never
 # asked for. tests/unit/engine/test_chunked_logprobs.py fails when a new transformers changes one.
 _PLAIN_HEADS = (
@@ -60,6 +65,10 @@ _PLAIN_HEADS = (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
     GptOssForCausalLM,
+    Olmo2ForCausalLM,
+    StableLmForCausalLM,
+    SmolLM3ForCausalLM,
+    GlmForCausalLM,
 )
 
 # A decoder layer keeps roughly this many values per token, in units of the hidden size, for its

@@ -3,11 +3,11 @@
 Owns `inspect_folder`: from `config.json` (architecture, context length, vocabulary, tied
 embeddings, sliding window, quantisation), the tokenizer (`tokenizer.json`, or a SentencePiece
 `tokenizer.model`), the chat template (`tokenizer_config.json` or `chat_template.jinja`),
-`generation_config.json` (end-of-sequence ids) and the safetensors headers (parameter count and
-bytes) it builds the `BaseModelInfo` the registry records, or refuses the folder with a
-ValidationError that says what is wrong and how to fix it. Also owns the table of admitted
-architectures and `TOKENIZER_FILES`, the files the hub-compatible routes serve.
-Imports only `catalog` and the platform's errors; sentencepiece is imported lazily.
+`generation_config.json` (end-of-sequence ids) and the safetensors headers (parameter count,
+bytes, and each tensor's name and shape, from which `structure` decides admission) it builds the
+`BaseModelInfo` the registry records, or refuses the folder with a ValidationError that says
+what is wrong and how to fix it. Imports only the models package's pure modules and the
+platform's errors; sentencepiece is imported lazily.
 """
 
 from __future__ import annotations
@@ -22,30 +22,16 @@ from typing import Any
 
 from treadle.platform.errors import ValidationError
 from treadle.platform.models.catalog import LORA_CATEGORIES, BaseModelInfo
+from treadle.platform.models.structure import check_structure
 from treadle.platform.models.tokenizers import gguf_metadata, tokenizer_from_gguf
 
 __all__ = [
-    "ADMITTED_ARCHITECTURES",
     "DTYPES",
     "Options",
     "inspect_folder",
     "inspect_gguf",
 ]
 
-# Architectures Treadle trains and samples, each shown on a tiny random model in the tests
-# (tests/architectures.py): their LoRA targets, caches and heads are known.
-ADMITTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MistralForCausalLM",
-    "Gemma3ForCausalLM",
-    "Phi3ForCausalLM",
-    "GptOssForCausalLM",
-)
-# Their MLP experts are 3-D parameters in transformers 5, which LoRA cannot adapt.
-_MOE_ARCHITECTURES = frozenset({"Qwen3MoeForCausalLM", "GptOssForCausalLM"})
 _ENCODER_SUFFIXES = (
     "ForMaskedLM",
     "ForSequenceClassification",
@@ -80,9 +66,10 @@ def inspect_folder(
     """The registry entry for the causal LM in `folder`, called `name`.
 
     Raises ValidationError, naming the file and the fix, for a folder that is missing or
-    unreadable, a missing or malformed `config.json`, an architecture Treadle does not admit
-    (encoder-only models included), a quantised checkpoint, no safetensors weights, a missing or
-    malformed tokenizer, or a tokenizer larger than the embedding.
+    unreadable, a missing or malformed `config.json`, a model that is not a decoder-only causal
+    LM of a structure Treadle trains and samples (`structure.check_structure`: the layer types
+    or modules that did not resolve), a quantised checkpoint, no safetensors weights, a missing
+    or malformed tokenizer, or a tokenizer larger than the embedding.
     """
     folder = _readable_folder(Path(folder))
     config = _json_file(folder / "config.json", "config.json", required=True)
@@ -93,7 +80,9 @@ def inspect_folder(
     text: dict[str, Any] = nested if isinstance(nested, dict) else config
     vocab_size = _positive_int(text, "vocab_size")
     context = _positive_int(text, "max_position_embeddings")
-    parameters, size_bytes = _weights(folder)
+    parameters, size_bytes, shapes = _weights(folder)
+    _targets(options.lora_targets, False)  # the policy is valid before structure reads it
+    structure = check_structure(architecture, config, shapes, options.lora_targets)
     tokenizer_vocab = _tokenizer_vocab_size(folder)
     if tokenizer_vocab > vocab_size:
         raise ValidationError(
@@ -108,7 +97,7 @@ def inspect_folder(
     generation = _json_file(folder / "generation_config.json", "generation_config.json") or {}
     eos = generation.get("eos_token_id", config.get("eos_token_id"))
     eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None)
-    moe = architecture in _MOE_ARCHITECTURES
+    moe = structure.moe_experts
     targets = _targets(options.lora_targets, moe)
     dtype, max_rank = _dtype(options), _rank(options)
     context = _context(options, context, "config.json's max_position_embeddings")
@@ -266,17 +255,13 @@ def _architecture(config: dict[str, Any]) -> str:
             "save the model with save_pretrained, which writes it"
         )
     architecture = found[0]
-    if architecture in ADMITTED_ARCHITECTURES:
-        return architecture
-    admitted = ", ".join(ADMITTED_ARCHITECTURES)
     if not architecture.endswith("ForCausalLM") and architecture.endswith(_ENCODER_SUFFIXES):
         raise ValidationError(
             f"{architecture} is not a causal language model (model_type "
-            f"{config.get('model_type')!r}); Treadle trains decoder-only causal LMs: {admitted}"
+            f"{config.get('model_type')!r}); Treadle trains decoder-only causal LMs "
+            "(a ...ForCausalLM class)"
         )
-    raise ValidationError(
-        f"architecture {architecture} is not one Treadle admits yet; admitted: {admitted}"
-    )
+    return architecture
 
 
 def _check_not_quantised(config: dict[str, Any]) -> None:
@@ -303,8 +288,9 @@ def _positive_int(config: dict[str, Any], key: str) -> int:
     return value
 
 
-def _weights(folder: Path) -> tuple[int, int]:
-    """(parameters, bytes) of the safetensors weights in `folder`, from their headers."""
+def _weights(folder: Path) -> tuple[int, int, dict[str, list[int]]]:
+    """(parameters, bytes, tensor name -> shape) of the safetensors weights in `folder`, from
+    their headers."""
     index = _json_file(folder / "model.safetensors.index.json", "model.safetensors.index.json")
     if index is not None:
         weight_map = index.get("weight_map")
@@ -319,13 +305,15 @@ def _weights(folder: Path) -> tuple[int, int]:
             "model.safetensors.index.json); save the model with save_pretrained"
         )
     parameters = size = 0
+    shapes: dict[str, list[int]] = {}
     for file in files:
-        p, b = _safetensors_header(folder / file)
+        p, b = _safetensors_header(folder / file, shapes)
         parameters, size = parameters + p, size + b
-    return parameters, size
+    return parameters, size, shapes
 
 
-def _safetensors_header(path: Path) -> tuple[int, int]:
+def _safetensors_header(path: Path, shapes: dict[str, list[int]]) -> tuple[int, int]:
+    """(parameters, bytes) of the safetensors file at `path`; adds its tensors' shapes."""
     if not path.is_file():
         raise ValidationError(
             f"{path.name}, listed in the weight index, is missing from {path.parent}"
@@ -341,6 +329,7 @@ def _safetensors_header(path: Path) -> tuple[int, int]:
             if key == "__metadata__":
                 continue
             parameters += math.prod(tensor["shape"])
+            shapes[key] = [int(n) for n in tensor["shape"]]
             start, end = tensor["data_offsets"]
             size += end - start
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
