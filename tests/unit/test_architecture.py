@@ -237,6 +237,7 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "losses": {"models", "memory", "lora"},
     "sampling": {"models", "memory", "lora", "losses"},
     "protocol": {"gradients", "lora", "losses", "optim", "sampling"},  # interfaces, value types
+    "footprint": {"models", "memory", "lora", "losses"},  # a base model's memory, for admission
     "distributed.group": {"protocol", "gradients"},  # a Parallelism: ranks, collectives, sharding
     "training": _BELOW_PROTOCOL | {"protocol"},  # spread by a Parallelism, never the group
     "engine": _BELOW_PROTOCOL | {"protocol", "training"},

@@ -1,5 +1,6 @@
 """The operator's view of the running platform (`treadle status`): the workers (heartbeat age,
-alive or not by the lease TTL, sessions held, queue depth, metrics address, device), the base
+alive or not by the lease TTL, sessions held, queue depth, metrics address, device, memory
+budget: capacity, held by base models and by sessions, free), the base
 models in service (parameters, bytes, which live workers can host each), live sessions per
 tenant, and the pending operations with the oldest of them.
 
@@ -19,6 +20,7 @@ import sqlalchemy as sa
 from treadle.platform.eventlog.optypes import OpStatus
 from treadle.platform.eventlog.schema import operations, sessions, workers
 from treadle.platform.models import registry
+from treadle.platform.sessions import admission
 from treadle.platform.sessions.leases import unable_to_host
 from treadle.platform.sessions.sessions import ACTIVE_STATUSES
 from treadle.platform.tenancy.tenants import Principal, require_operator
@@ -35,6 +37,9 @@ class WorkerStatus:
     device: str | None  # where it runs its models ("cpu", "cuda:0"), from its heartbeat
     world_size: int  # its ranks: a worker group runs each session on all of them
     layout: str | None  # a group's: "replicated" or "sharded" base models (None: one process)
+    # Its memory per device as admission adds it up (`admission.Budget.as_dict`: capacity, held
+    # by base models, by sessions' adapters, the working set, free); None: it reports no budget.
+    memory: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ def read_status(
     require_operator(principal, "the platform's status")
     rows = conn.execute(_workers_query()).all()
     live = [row for row in rows if float(row.age) < lease_ttl_seconds]
+    held = admission.held_by(conn, [row.id for row in rows])
+    budgets = {row.id: admission.budget(row.id, row.info or {}, held[row.id]) for row in rows}
     return PlatformStatus(
         lease_ttl_seconds=lease_ttl_seconds,
         workers=[
@@ -85,6 +92,7 @@ def read_status(
                 device=_text_or_none((row.info or {}).get("device")),
                 world_size=int((row.info or {}).get("world_size", 1)),
                 layout=_text_or_none((row.info or {}).get("layout")),
+                memory=None if (b := budgets[row.id]) is None else b.as_dict(),
             )
             for row in rows
         ],
