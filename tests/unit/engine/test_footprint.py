@@ -2,11 +2,13 @@
 thing: the LoRA parameters it counts per rank and category are those of a real adapter on the
 real model, every one of them holds 16 bytes once trained (fp32 weights, grads, AdamW's two
 moments), its KV bytes per token are those of a real cache, and its pass and weight terms follow
-the documented formula. (The platform's sums: tests/unit/platform/test_admission.py.)"""
+the documented formula; a worker's capacity refuses a model by it, with the numbers, and judges
+one as before until its footprint is computed. (The platform's sums: tests/unit/platform/test_admission.py.)"""
 
 from __future__ import annotations
 
 import itertools
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,10 @@ from tests import architectures
 from treadle.engine.footprint import LOGITS_TENSORS, PassSettings, model_footprint
 from treadle.engine.lora.adapters import LoraHost, LoraSpec, TrainableLora
 from treadle.engine.losses.chunked_logprobs import ACTIVATION_VALUES_PER_HIDDEN
+from treadle.engine.memory.capacity import Capacity
 from treadle.engine.models.loading import tiny_debug_config
 from treadle.engine.optim import AdamSpec
+from treadle.platform.config import DEFAULT_SAMPLER_KV_TOKENS, PlatformConfig
 from treadle.platform.models.catalog import TINY_DEBUG_NAME, BaseModelInfo, get_base_model
 from treadle.platform.sessions.admission import BYTES_PER_LORA_PARAMETER, lora_parameters
 
@@ -103,3 +107,62 @@ def test_the_pass_and_weight_terms_follow_the_documented_formula() -> None:
     assert (
         checkpointed.pass_bytes == 2048 * (64 * 2 + ACTIVATION_VALUES_PER_HIDDEN * 64) * 4 + logits
     )
+
+
+def test_a_worker_refuses_a_model_whose_fixed_footprint_exceeds_its_budget_with_the_numbers() -> (
+    None
+):
+    info = get_base_model(TINY_DEBUG_NAME)
+    fp = model_footprint(info, CPU, Path(".")).as_dict()
+    fixed = fp["weight_bytes"] + fp["pass_bytes"] + fp["kv_bytes"]
+    cpu = torch.device("cpu")
+    roomy = Capacity(cpu, torch.float32, fixed, measure=lambda _: fp, sampler_kv_tokens=1000)
+    tight = Capacity(cpu, torch.float32, fixed - 1, measure=lambda _: fp, sampler_kv_tokens=1000)
+    for capacity in (roomy, tight):
+        capacity.wait([info], timeout=60)
+    assert roomy.refusal(info) is None
+    why = tight.refusal(info)
+    assert why is not None and "before any session" in why and "3,219,776 parameters" in why
+    assert f"a training pass of {fp['pass_tokens']:,} tokens" in why
+    assert "the sampler's KV budget of 1,000 tokens" in why
+    report = roomy.report([info])
+    assert report["footprints"] == {info.name: fp}
+    assert report["budget"]["capacity_bytes"] == fixed
+
+
+def test_a_gpu_worker_refuses_a_model_its_host_cannot_load() -> None:
+    info = get_base_model(TINY_DEBUG_NAME)
+    fp = {"weight_bytes": 1, "pass_bytes": 1, "kv_bytes": 1, "pass_tokens": 1,
+          "load_host_bytes": 2**30}  # fmt: skip
+    capacity = Capacity(
+        torch.device("cpu"), torch.float32, 2**20, measure=lambda _: fp, host_memory_bytes=2**29
+    )
+    capacity.wait([info], timeout=60)
+    why = capacity.refusal(info)
+    assert why is not None and "loading it takes 1.00 GiB of host memory" in why
+    assert "this host has 0.50 GiB (TREADLE_WORKER_HOST_MEMORY)" in why
+
+
+def test_until_its_footprint_is_computed_a_model_is_judged_by_its_weights_and_a_tenth() -> None:
+    info = get_base_model(TINY_DEBUG_NAME)
+    gate = threading.Event()
+
+    def slow(_: BaseModelInfo) -> dict[str, int]:
+        gate.wait(60)
+        return {"weight_bytes": 2**40, "pass_bytes": 0, "kv_bytes": 0, "pass_tokens": 1,
+                "load_host_bytes": 0}  # fmt: skip
+
+    capacity = Capacity(torch.device("cpu"), torch.float32, 2**30, measure=slow)
+    assert capacity.refusal(info) is None  # 13.5 MiB of weights and a tenth fit 1 GiB
+    assert capacity.report([info])["footprints"] == {}
+    gate.set()
+    capacity.wait([info], timeout=60)
+    assert capacity.refusal(info) is not None  # now judged by its (made-up, huge) footprint
+
+
+def test_the_new_settings_come_from_the_environment_and_go_back_to_it() -> None:
+    env = {"TREADLE_SAMPLER_KV_TOKENS": "1024", "TREADLE_WORKER_HOST_MEMORY": "5"}
+    config = PlatformConfig.from_env(env)
+    assert (config.sampler_kv_tokens, config.worker_host_memory_bytes) == (1024, 5)
+    assert PlatformConfig.from_env(config.to_env()) == config
+    assert PlatformConfig.from_env({}).sampler_kv_tokens == DEFAULT_SAMPLER_KV_TOKENS
