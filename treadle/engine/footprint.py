@@ -1,16 +1,16 @@
 """What one base model costs a worker's memory, per device, for admission (the platform adds it
-up: platform/sessions/admission.py; the formula and which terms are estimates: docs/operations.md,
-"Admission").
+up: platform/sessions/admission.py; the formula, and which terms are estimates, in
+docs/operations.md, "Admission").
 
-Owns `Footprint` and `model_footprint(info, ...)`: the model is built on the meta device from its
-config (no weights read), its LoRA targets resolved with `lora.targets.resolve` (the engine's own
-rules), and from those modules: weight bytes per device (the parameters over the group's shards,
-plus oneDNN's packed copy of the adapted linears where a CPU worker packs them), LoRA parameters
-per rank per category (the sum of in + out features of each category's linears), one training
-pass's activations and logits at the worker's pass token budget, the sampler's KV budget, and the
-host memory loading the model takes. The worker hands `model_footprint` to `memory.capacity.Capacity`
-(a layer below, which must not import it). Must not import flask, sqlalchemy, celery or
-treadle.api.
+Owns `Footprint` and `model_footprint(info, ...)`: the model is built on the meta device from
+its config (no weights read), its LoRA targets resolved with `lora.targets.resolve` (the
+engine's own rules), and from those modules: weight bytes per device (the parameters over the
+group's shards, plus oneDNN's packed copy of the adapted linears where a CPU worker packs them),
+LoRA parameters per rank per category (the sum of in + out features of each category's
+linears), one training pass's activations and logits at the worker's pass token budget, the
+sampler's KV budget, and the host memory loading the model takes. The worker hands
+`model_footprint` to `memory.capacity.Capacity` (a layer below, which must not import it).
+Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations

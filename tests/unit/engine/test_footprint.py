@@ -3,7 +3,8 @@ thing: the LoRA parameters it counts per rank and category are those of a real a
 real model, every one of them holds 16 bytes once trained (fp32 weights, grads, AdamW's two
 moments), its KV bytes per token are those of a real cache, and its pass and weight terms follow
 the documented formula; a worker's capacity refuses a model by it, with the numbers, and judges
-one as before until its footprint is computed. (The platform's sums: tests/unit/platform/test_admission.py.)"""
+one as before until its footprint is computed. (The platform's sums:
+tests/unit/platform/test_admission.py.)"""
 
 from __future__ import annotations
 

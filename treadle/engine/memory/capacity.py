@@ -5,14 +5,15 @@ platform/sessions/admission.py).
 A model is hostable when its files are here (a registered folder readable at its path; the
 SmolLM2 GGUF's package installed) and it fits the worker's memory budget per device: the
 device's memory (the GPU's, or the host's on the CPU), or TREADLE_WORKER_MODEL_MEMORY bytes.
-Given `measure` (engine/footprint.py's `model_footprint` with the worker's settings), each model's
-footprint is computed once, in a background thread (a GGUF's config takes seconds to read), and
-reported with the worker's `budget`: the model fits when its weights, one training pass and the sampler's KV budget do, and
-its loading fits host memory; the platform adds the sessions' adapters. Until then, and for a
-worker built without settings, a model fits when its weights with a tenth more (HEADROOM) do.
-A group in the sharded layout holds a model's weights split across its ranks: each rank needs
-its share (the embeddings and output head, whole on every rank, are counted as split too: an
-estimate). Must not import flask, sqlalchemy, celery or treadle.api.
+Given `measure` (engine/footprint.py's `model_footprint` with the worker's settings), each
+model's footprint is computed once, in a background thread (a GGUF's config takes seconds to
+read), and reported with the worker's `budget`: the model fits when its weights, one training
+pass and the sampler's KV budget do and its loading fits host memory; the platform adds the
+sessions' adapters (platform/sessions/admission.py). Until then, and for a worker given no
+`measure`, a model fits when its weights with a tenth more (HEADROOM) do. A group in the
+sharded layout holds a model's weights split across its ranks: each rank needs its share (the
+embeddings and output head, whole on every rank, are counted as split too: an estimate).
+Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Capacity:
         self._files: dict[str, str | None] = {}
         self._footprints: dict[str, Future[dict[str, Any]]] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._warned: set[str] = set()
         self._lock = threading.Lock()
 
     def refusal(self, info: BaseModelInfo) -> str | None:
@@ -113,9 +115,9 @@ class Capacity:
         if not future.done():
             return None
         if (exc := future.exception()) is not None:
-            if not getattr(future, "_logged", False):
+            if info.name not in self._warned:  # judged as before meanwhile (HEADROOM)
                 log.warning("cannot compute %s's memory footprint: %s", info.name, exc)
-                future._logged = True  # type: ignore[attr-defined]
+                self._warned.add(info.name)
             return None
         return future.result()
 
