@@ -1,12 +1,13 @@
 """The operator's view of the running platform (`treadle status`): the workers (heartbeat age,
-alive or not by the lease TTL, sessions held, queue depth, metrics address, device, memory
-budget: capacity, held by base models and by sessions, free), the base
-models in service (parameters, bytes, which live workers can host each), live sessions per
-tenant, and the pending operations with the oldest of them.
+alive or not by the lease TTL, sessions held, queue depth, metrics address, device, and memory
+per device as admission adds it up: capacity, held by base models and by sessions, the working
+set, free), the base models in service (parameters, bytes, which live workers can host each),
+live sessions per tenant, and the pending operations with the oldest of them.
 
-Two read-only statements (one for the workers, one for the rest), so the view costs the database
-little however often an operator or a script polls it. Ages are computed by PostgreSQL from its
-own clock, the one heartbeats are written with. Operator only.
+Three read-only statements (the workers, the sessions they hold for the memory budget, the
+rest), so the view costs the database little however often an operator or a script polls it.
+Ages are computed by PostgreSQL from its own clock, the one heartbeats are written with.
+Operator only.
 Imports nothing from api, engine, worker, flask or torch.
 """
 
