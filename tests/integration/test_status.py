@@ -208,6 +208,7 @@ def test_status_shows_pending_operations_the_oldest_and_each_workers_queue(
         "device": None,  # the fake worker's heartbeat does not say
         "world_size": 1,
         "layout": None,  # one process, not a group
+        "memory": None,  # its heartbeat reports no budget: admission judges it as before
     }
     assert workers[FAKE_WORKER]["heartbeat_age_seconds"] < 60
     gone = workers["worker-gone"]

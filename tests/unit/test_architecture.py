@@ -238,6 +238,7 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "losses": {"models", "memory", "lora"},
     "sampling": {"models", "memory", "lora", "losses"},
     "protocol": {"gradients", "lora", "losses", "optim", "sampling"},  # interfaces, value types
+    "footprint": {"models", "memory", "lora", "losses"},  # a base model's memory, for admission
     # a Parallelism: ranks, collectives, sharding (handing a loaded layer's pages back: memory)
     "distributed.group": {"protocol", "gradients", "memory"},
     "training": _BELOW_PROTOCOL | {"protocol"},  # spread by a Parallelism, never the group

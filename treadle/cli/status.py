@@ -22,6 +22,8 @@ WORKER_COLUMNS = (
     "worker", "heartbeat_age", "alive", "sessions", "queued", "ranks", "layout", "metrics_url"
 )  # fmt: skip
 
+MEMORY_COLUMNS = ("worker", "capacity", "base_models", "sessions", "working_set", "free")
+
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = sub.add_parser(
@@ -67,6 +69,24 @@ def show(body: dict[str, Any]) -> str:
         f"(alive: heartbeated within the lease TTL, {ttl:g} s)\n",
         render("table", body, WORKER_COLUMNS, rows) if rows else "  none\n",
     ]
+    budgets = [
+        {
+            "worker": w["id"],
+            "capacity": _mib(m["capacity_bytes"]),
+            "base_models": _mib(m["base_bytes"]),
+            "sessions": f"{_mib(m['session_bytes'])} ({m['resident_adapters']} of {m['sessions']})",
+            "working_set": _mib(m["working_bytes"]),
+            "free": _mib(m["free_bytes"]) + ("" if m["complete"] else " (partial)"),
+        }
+        for w in workers
+        if (m := w.get("memory"))
+    ]
+    if budgets:
+        parts.append(
+            "\nMemory per device (admission: base models, resident adapters, a training pass "
+            "and the sampler's KV budget)\n"
+        )
+        parts.append(render("table", body, MEMORY_COLUMNS, budgets))
     models = [
         {
             "model": m["name"],
@@ -91,3 +111,7 @@ def show(body: dict[str, Any]) -> str:
             f"waiting {oldest['age_seconds']:.1f} s\n"
         )
     return "".join(parts)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"

@@ -6,7 +6,8 @@ single-process `Engine`, a worker group's `GroupExecutor` and the value types it
 and return. The rooms: `models/` (loading, CPU kernels, threads), `lora/` (adapters, targets,
 files, snapshots), `losses/` (losses, chunked logprobs), `sampling/` (sampling rules, the decode
 loop, prompt scores), `memory/` (paging, heap, fingerprints, capacity), `distributed/` (the
-group, its executor, group decoding); `optim` and `training` at the top.
+group, its executor, group decoding); `optim`, `training` and `footprint` (a base model's memory
+for admission) at the top.
 
 The names load on first use (PEP 562), so that importing one room (the heap's tuning, say)
 does not load every other room, torch.distributed and transformers with it.
@@ -21,10 +22,11 @@ if TYPE_CHECKING:
     from treadle.engine.distributed.executor import GroupExecutor, follow
     from treadle.engine.distributed.group import GROUP_FAILED_EXIT, Group, init_from_env, leave
     from treadle.engine.engine import Engine
+    from treadle.engine.footprint import PassSettings, model_footprint
     from treadle.engine.lora.adapters import LoraSpec
     from treadle.engine.losses.functions import EngineDatum
     from treadle.engine.memory import heap
-    from treadle.engine.memory.capacity import Capacity
+    from treadle.engine.memory.capacity import Capacity, device_memory
     from treadle.engine.optim import AdamSpec
     from treadle.engine.protocol import (
         ALONE,
@@ -56,6 +58,9 @@ _WHERE = {
     "Key": "treadle.engine.sampling.decode",
     "LoraSpec": "treadle.engine.lora.adapters",
     "Parallelism": "treadle.engine.protocol",
+    "PassSettings": "treadle.engine.footprint",
+    "device_memory": "treadle.engine.memory.capacity",
+    "model_footprint": "treadle.engine.footprint",
     "PromptScoring": "treadle.engine.sampling.prompt_scores",
     "PromptTargets": "treadle.engine.sampling.prompt_scores",
     "STATE_PARTS": "treadle.engine.protocol",
@@ -97,6 +102,7 @@ __all__ = [
     "Interrupt",
     "Key",
     "LoraSpec",
+    "PassSettings",
     "PromptScoring",
     "PromptTargets",
     "SampleBatchAPI",
@@ -105,7 +111,9 @@ __all__ = [
     "SampledSequence",
     "SamplingSpec",
     "Topology",
+    "device_memory",
     "follow",
+    "model_footprint",
     "heap",
     "init_from_env",
     "leave",

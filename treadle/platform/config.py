@@ -26,6 +26,8 @@ DEFAULT_MAX_LOADED_ADAPTERS = 4
 # disk. An RL loop takes one a step and samples only the newest; 16 keeps a 16-session batch's
 # samplers in memory.
 DEFAULT_MAX_LOADED_SNAPSHOTS = 16
+# Tokens of KV cache a worker's admission reserves for its sampler: 32 samples of 1,024 tokens.
+DEFAULT_SAMPLER_KV_TOKENS = 32768
 # Where a worker serves its Prometheus metrics (`treadle up` gives worker i this port + i).
 DEFAULT_WORKER_METRICS_PORT = 9101
 # SageMaker's SDK sends forwardBackward in chunks of about 10-12 MB (api/sagemaker).
@@ -97,6 +99,13 @@ class PlatformConfig:
     # Bytes a worker may give the base models' weights (0: its device's memory, the GPU's or
     # the host's). A registered model needing more is not hosted there (engine/memory/capacity.py).
     worker_model_memory_bytes: int = 0
+    # Host memory a worker may use to load base models (0: the host's RAM); on a GPU worker
+    # each rank reads the whole model into it first (platform/sessions/admission.py).
+    worker_host_memory_bytes: int = 0
+    # Tokens of KV cache admission reserves for a worker's sampler (per device), beside a
+    # training pass: what the sessions a worker admits may sample at once. A reservation the
+    # sample batch does not enforce yet (docs/operations.md, "Admission").
+    sampler_kv_tokens: int = DEFAULT_SAMPLER_KV_TOKENS
     # Recompute each decoder layer in the backward instead of keeping its activations: None
     # where a training pass is big enough for it to save memory, True always, False never.
     activation_checkpointing: bool | None = None
@@ -185,6 +194,8 @@ class PlatformConfig:
             ),
             pack_cpu_weights=env.get("TREADLE_PACK_CPU_WEIGHTS", "1") != "0",
             worker_model_memory_bytes=_whole(env, "TREADLE_WORKER_MODEL_MEMORY", 0),
+            worker_host_memory_bytes=_whole(env, "TREADLE_WORKER_HOST_MEMORY", 0),
+            sampler_kv_tokens=_whole(env, "TREADLE_SAMPLER_KV_TOKENS", DEFAULT_SAMPLER_KV_TOKENS),
             activation_checkpointing=_auto_flag(env, "TREADLE_ACTIVATION_CHECKPOINTING"),
             microbatch_tokens=_whole(env, "TREADLE_MICROBATCH_TOKENS", 0),
             group_timeout_seconds=_number(env, "TREADLE_GROUP_TIMEOUT_SECONDS", 120.0),
@@ -230,6 +241,8 @@ class PlatformConfig:
             "TREADLE_MAX_LOADED_SNAPSHOTS": str(self.max_loaded_snapshots),
             "TREADLE_PACK_CPU_WEIGHTS": "1" if self.pack_cpu_weights else "0",
             "TREADLE_WORKER_MODEL_MEMORY": str(self.worker_model_memory_bytes),
+            "TREADLE_WORKER_HOST_MEMORY": str(self.worker_host_memory_bytes),
+            "TREADLE_SAMPLER_KV_TOKENS": str(self.sampler_kv_tokens),
             "TREADLE_ACTIVATION_CHECKPOINTING": {None: "auto", True: "on", False: "off"}[
                 self.activation_checkpointing
             ],

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery import Celery
 
-from treadle.engine import Capacity
+from treadle.engine import Capacity, PassSettings, device_memory, model_footprint
 from treadle.platform.checkpoints import checkpoints
 from treadle.platform.config import PlatformConfig
 from treadle.platform.eventlog import notify
@@ -30,6 +30,8 @@ __all__ = ["STALL_SECONDS", "LeaseKeeper"]
 
 log = logging.getLogger(__name__)
 
+# engine.Engine's max_resident_adapters, which no worker changes: adapters on a GPU at once.
+PAGED_IN_ADAPTERS = 16
 # A pending operation this old gets a fresh wake-up (a message lost with a dead worker).
 STALL_SECONDS = 3.0
 
@@ -46,15 +48,42 @@ class LeaseKeeper(threading.Thread):
         # What the heartbeat tells the platform about this process (`treadle status` shows it).
         self.info: dict[str, Any] = {"pid": os.getpid(), "metrics_url": metrics_url}
         shards = 1
-        if (group := host.engine.topology()) is not None:
+        group = host.engine.topology()
+        if group is not None:
             self.info["world_size"] = group.world_size
             self.info["group_timeout_seconds"] = group.timeout_seconds
             self.info["layout"] = group.layout
             shards = group.shards
         self.host = host
         engine = host.engine
+        on_host = 1 if group is None else group.world_size  # ranks of a group share a host
+        # The adapters the device holds at once: on a GPU those paged in (at most 16, the
+        # engine's max_resident_adapters), at most those in memory; on the CPU the device's
+        # memory is the host's, which holds every loaded one.
+        loaded = config.max_loaded_adapters
+        resident = loaded
+        if engine.device.type != "cpu":
+            resident = min(x for x in (loaded, PAGED_IN_ADAPTERS) if x > 0)
+        settings = PassSettings(
+            device=engine.device,
+            dtype=engine.dtype,
+            shards=shards,
+            ranks_on_host=on_host,
+            microbatch_tokens=config.microbatch_tokens,
+            sampler_kv_tokens=config.sampler_kv_tokens,
+            checkpointing=config.activation_checkpointing,
+            pack_cpu_weights=config.pack_cpu_weights,
+            device_bytes=device_memory(engine.device),
+        )
         self.capacity = Capacity(
-            engine.device, engine.dtype, config.worker_model_memory_bytes, shards=shards
+            engine.device,
+            engine.dtype,
+            config.worker_model_memory_bytes,
+            shards=shards,
+            measure=lambda info: model_footprint(info, settings, config.cache_dir).as_dict(),
+            resident_adapters=resident,
+            sampler_kv_tokens=config.sampler_kv_tokens,
+            host_memory_bytes=config.worker_host_memory_bytes,
         )
         self.app = app
         self.consuming: set[str] = set()
@@ -78,17 +107,23 @@ class LeaseKeeper(threading.Thread):
             # Retired models too: the sessions already on them still need a host.
             models = [m.info for m in registry.list_models(conn, include_retired=True)]
             report = self.capacity.report(models)
+            # Base models stay loaded once loaded: admission counts them with or without sessions.
+            report["loaded_models"] = [m.name for m in models if self.host.engine.has_base(m.name)]
             leases.heartbeat_worker(conn, me, {**self.info, **report})
             hostable = report["models"]
             ttl = self.config.lease_ttl_seconds
+            # Only sessions this worker has the memory for (`admission`); the others wait for
+            # a worker with room.
             claimed = [
                 s
                 for s in leases.unleased_sessions(conn, base_models=hostable)
-                if leases.lease_session(conn, s, me, only_if_unleased=True)
+                if leases.has_room_for(conn, me, s)
+                and leases.lease_session(conn, s, me, only_if_unleased=True)
             ] + [
                 s
                 for s in leases.orphaned_sessions(conn, ttl, base_models=hostable)
-                if leases.lease_session(conn, s, me, only_if_unleased=False)
+                if leases.has_room_for(conn, me, s)
+                and leases.lease_session(conn, s, me, only_if_unleased=False)
             ]
             mine = leases.sessions_leased_to(conn, me)
             stalled = operations.stale_pending(conn, mine, STALL_SECONDS)

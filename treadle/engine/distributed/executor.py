@@ -83,6 +83,9 @@ class GroupExecutor:
     def has_adapter(self, adapter_id: str) -> bool:
         return self.engine.has_adapter(adapter_id)
 
+    def has_base(self, base_model: str) -> bool:
+        return self.engine.has_base(base_model)  # every rank loads the same bases
+
     def adapter_counts(self) -> tuple[int, int]:
         return self.engine.adapter_counts()
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -28,7 +29,14 @@ from treadle.engine.models.weight_files import WeightFiles, build_deferred
 from treadle.platform.models.catalog import BaseModelInfo, get_base_model, gguf_path
 from treadle.platform.models.tokenizers import load_tokenizer, safe_name
 
-__all__ = ["TINY_DEBUG_SEED", "build_tiny_debug", "load_base_model", "load_deferred", "model_dir"]
+__all__ = [
+    "TINY_DEBUG_SEED",
+    "build_tiny_debug",
+    "load_base_model",
+    "load_deferred",
+    "model_dir",
+    "tiny_debug_config",
+]
 
 TINY_DEBUG_SEED = 0
 
@@ -102,15 +110,8 @@ def build_tiny_debug(tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
     Built in float32 on the CPU (whatever the target device) inside a forked RNG, so the global
     RNG is left untouched.
     """
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
+    config = tiny_debug_config(
+        len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -120,6 +121,21 @@ def build_tiny_debug(tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
         model = LlamaForCausalLM(config)
     model.float()
     return model
+
+
+def tiny_debug_config(vocab_size: int, **token_ids: Any) -> LlamaConfig:
+    """The tiny debug Llama's config for a `vocab_size` vocabulary (and special `token_ids`)."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        **token_ids,
+    )
 
 
 def model_dir(info: BaseModelInfo, cache_dir: Path) -> Path:

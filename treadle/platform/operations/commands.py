@@ -29,7 +29,7 @@ from treadle.platform.errors import TreadleError, UnavailableError, ValidationEr
 from treadle.platform.eventlog import notify, oplog, schema
 from treadle.platform.eventlog.optypes import Payload
 from treadle.platform.operations import cancellation, operations
-from treadle.platform.sessions import leases, routing
+from treadle.platform.sessions import admission, leases, routing
 from treadle.platform.sessions import sessions as sessions_core
 from treadle.platform.tenancy.tenants import Principal
 
@@ -139,7 +139,8 @@ def open_session(
     """
     with deps.db.begin() as conn:
         sessions_core.require_running_client_session(conn, principal, client_session_id)
-        require_host(conn, deps.config, base_model)
+        need = admission.Held(session_id, base_model, kind, dict(fields.get("lora_config") or {}))
+        require_host(conn, deps.config, base_model, need)
         if (
             deps.config.metering
             and kind in sessions_core.ADAPTER_KINDS
@@ -160,7 +161,7 @@ def open_session(
         # Leased in the creating transaction: a session committed unleased would go to whichever
         # worker's lease keeper saw it first, not to the least loaded one.
         worker_id = leases.place_session(
-            conn, session_id, deps.config.lease_ttl_seconds, base_model
+            conn, session_id, deps.config.lease_ttl_seconds, base_model, need
         )
     if worker_id is not None:
         consume(deps, worker_id, session_id)
@@ -172,11 +173,28 @@ def _exists(conn: sa.Connection, session_id: str) -> bool:
         schema.sessions.c.id == session_id)).first() is not None  # fmt: skip
 
 
-def require_host(conn: sa.Connection, config: PlatformConfig, base_model: str) -> None:
+def require_host(
+    conn: sa.Connection, config: PlatformConfig, base_model: str, need: admission.Held | None = None
+) -> None:
     """Refuse to create a session on `base_model` while no live worker can host it: a 503
     while none is alive (a worker is on its way, the SDK retries), a 400 naming each live
-    worker's reason (its files, its memory) while none of them can load the model."""
+    worker's reason (its files, its memory) while none of them can load the model, and, given
+    `need` (the new session as admission counts it), a 400 naming the numbers while every live
+    worker that can load the model lacks the memory for it beside the sessions it holds."""
     able, reasons = leases.hosts(conn, config.lease_ttl_seconds, base_model)
+    if able and need is not None:
+        roomy, full = leases.with_room(conn, able, need)
+        if not roomy:
+            info = conn.execute(
+                sa.select(schema.workers.c.info).where(schema.workers.c.id == able[0])
+            ).scalar()
+            why = "; ".join(f"{reason}" for _, reason in sorted(full.items()))
+            raise ValidationError(
+                f"no live worker has the memory for {admission.need_words(info, need)}: {why}. "
+                "Lower the rank, train fewer targets (train_unembed=False, train_mlp=False), "
+                "stop sessions you no longer need, or ask the operator for a worker with more "
+                "memory (TREADLE_WORKER_MODEL_MEMORY, a bigger device)"
+            )
     if able:
         return
     if reasons:

@@ -10,7 +10,7 @@ Imports nothing from api, engine, worker or torch.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -19,6 +19,7 @@ from treadle.platform import metrics
 from treadle.platform.eventlog import events
 from treadle.platform.eventlog.optypes import OpStatus
 from treadle.platform.eventlog.schema import operations, sessions, workers
+from treadle.platform.sessions import admission
 from treadle.platform.sessions.sessions import ACTIVE_STATUSES, SessionRow, get_session
 
 
@@ -85,6 +86,40 @@ def hosts(
     return able, reasons
 
 
+def with_room(
+    conn: sa.Connection, worker_ids: Sequence[str], new: admission.Held
+) -> tuple[list[str], dict[str, str]]:
+    """Those of `worker_ids` with room in their memory for `new` beside the sessions they hold
+    (`admission.room`; a worker that reports no budget is taken to have room), and why each
+    other has none, with the numbers."""
+    rows = conn.execute(
+        sa.select(workers.c.id, workers.c.info).where(workers.c.id.in_(worker_ids))
+    ).all()
+    infos = {row.id: row.info for row in rows}
+    held = admission.held_by(conn, worker_ids)
+    roomy, full = [], {}
+    for worker_id in worker_ids:
+        why, _ = admission.room(worker_id, infos.get(worker_id) or {}, held[worker_id], new)
+        if why is None:
+            roomy.append(worker_id)
+        else:
+            full[worker_id] = why
+    return roomy, full
+
+
+def has_room_for(conn: sa.Connection, worker_id: str, session_id: str) -> bool:
+    """Whether `worker_id` has room for the existing session `session_id` beside the sessions
+    it holds (`with_room`): a worker claims only sessions it can run."""
+    row = conn.execute(
+        sa.select(sessions.c.base_model, sessions.c.kind, sessions.c.lora_config).where(
+            sessions.c.id == session_id
+        )
+    ).one()
+    need = admission.Held(session_id, row.base_model, row.kind, dict(row.lora_config or {}))
+    roomy, _ = with_room(conn, [worker_id], need)
+    return bool(roomy)
+
+
 def live_workers(conn: sa.Connection, ttl_seconds: float) -> list[str]:
     """Workers that heartbeated within `ttl_seconds`, by id."""
     return list(
@@ -97,14 +132,21 @@ def live_workers(conn: sa.Connection, ttl_seconds: float) -> list[str]:
 
 
 def place_session(
-    conn: sa.Connection, session_id: str, ttl_seconds: float, base_model: str
+    conn: sa.Connection,
+    session_id: str,
+    ttl_seconds: float,
+    base_model: str,
+    new: admission.Held | None = None,
 ) -> str | None:
     """Lease an unleased session to the live worker with the fewest active sessions among those
-    that can host its base model.
+    that can host its base model (and, given `new`, the session as admission counts it, that
+    have room for it: `with_room`).
 
     Returns the worker id, or None when no such worker is alive (one claims it when it starts).
     """
     live, _ = hosts(conn, ttl_seconds, base_model)
+    if new is not None and live:
+        live, _ = with_room(conn, live, new)
     if not live:
         return None
     load: dict[str, int] = dict(

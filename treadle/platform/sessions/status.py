@@ -1,11 +1,13 @@
 """The operator's view of the running platform (`treadle status`): the workers (heartbeat age,
-alive or not by the lease TTL, sessions held, queue depth, metrics address, device), the base
-models in service (parameters, bytes, which live workers can host each), live sessions per
-tenant, and the pending operations with the oldest of them.
+alive or not by the lease TTL, sessions held, queue depth, metrics address, device, and memory
+per device as admission adds it up: capacity, held by base models and by sessions, the working
+set, free), the base models in service (parameters, bytes, which live workers can host each),
+live sessions per tenant, and the pending operations with the oldest of them.
 
-Two read-only statements (one for the workers, one for the rest), so the view costs the database
-little however often an operator or a script polls it. Ages are computed by PostgreSQL from its
-own clock, the one heartbeats are written with. Operator only.
+Three read-only statements (the workers, the sessions they hold for the memory budget, the
+rest), so the view costs the database little however often an operator or a script polls it.
+Ages are computed by PostgreSQL from its own clock, the one heartbeats are written with.
+Operator only.
 Imports nothing from api, engine, worker, flask or torch.
 """
 
@@ -19,6 +21,7 @@ import sqlalchemy as sa
 from treadle.platform.eventlog.optypes import OpStatus
 from treadle.platform.eventlog.schema import operations, sessions, workers
 from treadle.platform.models import registry
+from treadle.platform.sessions import admission
 from treadle.platform.sessions.leases import unable_to_host
 from treadle.platform.sessions.sessions import ACTIVE_STATUSES
 from treadle.platform.tenancy.tenants import Principal, require_operator
@@ -35,6 +38,9 @@ class WorkerStatus:
     device: str | None  # where it runs its models ("cpu", "cuda:0"), from its heartbeat
     world_size: int  # its ranks: a worker group runs each session on all of them
     layout: str | None  # a group's: "replicated" or "sharded" base models (None: one process)
+    # Its memory per device as admission adds it up (`admission.Budget.as_dict`: capacity, held
+    # by base models, by sessions' adapters, the working set, free); None: it reports no budget.
+    memory: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ def read_status(
     require_operator(principal, "the platform's status")
     rows = conn.execute(_workers_query()).all()
     live = [row for row in rows if float(row.age) < lease_ttl_seconds]
+    held = admission.held_by(conn, [row.id for row in rows])
+    budgets = {row.id: admission.budget(row.id, row.info or {}, held[row.id]) for row in rows}
     return PlatformStatus(
         lease_ttl_seconds=lease_ttl_seconds,
         workers=[
@@ -85,6 +93,7 @@ def read_status(
                 device=_text_or_none((row.info or {}).get("device")),
                 world_size=int((row.info or {}).get("world_size", 1)),
                 layout=_text_or_none((row.info or {}).get("layout")),
+                memory=None if (b := budgets[row.id]) is None else b.as_dict(),
             )
             for row in rows
         ],
