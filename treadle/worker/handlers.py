@@ -78,6 +78,8 @@ class Call:
     interrupt: Interrupt | None = None
     # Builds call.adapter_id from another session's log (live calls only); returns the report.
     rebuild: Callable[[Call, Rebuild], dict[str, Any]] | None = None
+    # In replay: the result the operation stored when it first ran (what it must run as again).
+    recorded: Mapping[str, Any] | None = None
 
 
 def create_model(call: Call, p: CreateModel) -> Outcome:
@@ -149,20 +151,25 @@ def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
         )
         for d in p.data
     ]
+    pass_tokens = None  # live: the engine's own budget
+    if call.recorded is not None:  # replay: the passes it first ran as, for the same bits
+        pass_tokens = results.ForwardBackwardOutput.model_validate(call.recorded).pass_tokens
     out = call.engine.forward_backward(
         call.adapter_id,
         data,
         p.loss_fn,
         p.loss_fn_config,
         forward_only=p.forward_only,
+        pass_tokens=pass_tokens,
         interrupt=call.interrupt,
     )
     tokens = no_tokens()
     tokens["prefill" if p.forward_only else "train"] = out.train_tokens
     outputs = [{name: _tensor(arr) for name, arr in per_datum.items()} for per_datum in out.outputs]
-    return Outcome(
-        results.ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=out.metrics), tokens
+    result = results.ForwardBackwardOutput(
+        loss_fn_outputs=outputs, metrics=out.metrics, pass_tokens=out.pass_tokens
     )
+    return Outcome(result, tokens)
 
 
 def optim_step(call: Call, p: OptimStep) -> Outcome:

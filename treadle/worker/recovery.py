@@ -151,6 +151,7 @@ def rebuild(
             adapter_id=adapter_id,
             seq_id=op.seq_id,
             live=False,
+            recorded=op.result,
         )
         try:
             try:
