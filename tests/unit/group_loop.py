@@ -154,9 +154,10 @@ def main() -> None:
     mode, folder = (sys.argv[3], Path(sys.argv[4])) if len(sys.argv) > 4 else ("", None)
     layout = os.environ.get("GROUP_LOOP_LAYOUT", "replicated")
     g = worker_group.init_from_env(timeout_seconds=120, device="cpu", layout=layout)
-    engine = Engine(
-        cache_dir=cache_dir, device="cpu", parallel=g, microbatch_tokens=MICROBATCH_TOKENS
-    )
+    tokens = MICROBATCH_TOKENS
+    if g.rank == 1 and os.environ.get("GROUP_LOOP_RANK1_TOKENS"):  # configured otherwise
+        tokens = int(os.environ["GROUP_LOOP_RANK1_TOKENS"])
+    engine = Engine(cache_dir=cache_dir, device="cpu", parallel=g, microbatch_tokens=tokens)
     if g.rank == 1 and os.environ.get("GROUP_LOOP_DRIFT"):  # a rank whose steps go elsewhere
         step = engine.optim_step
         engine.optim_step = lambda adapter_id, adam: step(  # type: ignore[method-assign]
