@@ -3,7 +3,8 @@
 A handler runs one operation's payload on the engine against `call.adapter_id` and returns its
 `Outcome` (the result the client sees, tokens by class, and what to register in the settlement's
 transaction). In replay (`call.live` false) it writes no files and registers nothing: the log
-already holds what it did. A `rebuild` (the first operation of a replay or a fork) reads another
+already holds what it did; and it runs as its recorded result says it first ran (`call.recorded`:
+a forward_backward's pass budget, which decides its float rounding). A `rebuild` (the first operation of a replay or a fork) reads another
 session's log, so the host passes it in as `call.rebuild`. Imports platform and the engine;
 never api.
 """

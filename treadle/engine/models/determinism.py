@@ -3,7 +3,10 @@ forward_backward's passes, an optimizer step) gives the same bits every time on 
 hardware and software, so that recovery, replay and fork do not report a false divergence.
 
 `apply(device)` is called where the engine picks its device (`Engine.__init__`), before it
-creates any CUDA tensor. On CUDA it sets:
+creates any CUDA tensor. That is early enough for cuBLAS, which reads its workspace setting when
+torch makes its first cuBLAS handle, at the first matmul: a worker builds its engine before it
+runs anything, and a group rank's only CUDA work before it (`distributed.group.init_from_env`:
+`set_device`, NCCL's process group) makes no cuBLAS handle. On CUDA it sets:
 - CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless the operator set it): cuBLAS picks reduction orders by
   its workspace, and reads the variable when its first handle is made, at the first matmul;
 - `torch.use_deterministic_algorithms(True)`, strict: an operation with no deterministic kernel
