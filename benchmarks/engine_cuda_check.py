@@ -4,12 +4,18 @@ engine in bfloat16.
 
 Per model it trains a LoRA adapter on a few chat examples, samples from it, and prints the peak GPU
 memory (torch.cuda.max_memory_allocated), the step times, the loss curve, sampling throughput and
-the largest gap between sample logprobs and forward logprobs. Exits 1 if CUDA is missing, the loss
-does not fall, or the logprobs disagree beyond bfloat16's tolerance; 0 otherwise. `--device cpu`
-runs the same check in float32 on the CPU (a smoke test of the script itself).
+the largest gap between sample logprobs and forward logprobs. Then the determinism check that
+replay relies on (engine/models/determinism.py): the same `--determinism-steps` training steps
+(forward_backward + optim_step), from the same adapter seed, run twice, and the adapter's state
+hashes (weights, grads, Adam state: engine/memory/fingerprint.py) compared after every step.
+Exits 1 if CUDA is missing, the engine is not in deterministic mode on CUDA, the loss does not
+fall, the logprobs disagree beyond bfloat16's tolerance, or the two runs' hashes differ at any
+step; 0 otherwise. `--device cpu` runs the same check in float32 on the CPU (a smoke test of the
+script itself).
 
     python benchmarks/engine_cuda_check.py [--cache-dir DIR] [--steps N] [--models NAME ...]
         [--architectures NAME ... | --architectures none] [--device cuda|cpu]
+        [--determinism-steps N]
 """
 
 from __future__ import annotations
@@ -163,6 +169,36 @@ def check_model(engine: Engine, model: str, steps: int) -> list[str]:
     return failures
 
 
+def check_determinism(engine: Engine, model: str, steps: int) -> list[str]:
+    """The same steps twice from the same seed: the state hashes after each step must be equal
+    (what recovery, replay and fork compare). Prints and returns the failures."""
+    learning_rate, _ = SETTINGS.get(model, ARCH_SETTINGS)
+    mlp = "mlp" in engine.models(model).lora_targets
+    spec = LoraSpec(rank=16, alpha=32, train_mlp=mlp, seed=1234)
+    data = chat_data(engine, model)
+    runs: list[list[dict[str, str]]] = []
+    for run in range(2):
+        adapter = f"{model}-determinism-{run}"
+        engine.create_adapter(adapter, model, spec)
+        hashes = []
+        for _ in range(steps):
+            engine.forward_backward(adapter, data, "cross_entropy")
+            grads = engine.state_hashes(adapter, ["grads"])["grads"]
+            engine.optim_step(adapter, AdamSpec(learning_rate=learning_rate))
+            hashes.append({"grads": grads, **engine.state_hashes(adapter)})
+        engine.drop_adapter(adapter)
+        runs.append(hashes)
+    for step, (first, second) in enumerate(zip(*runs, strict=True)):
+        for part in first:
+            if first[part] != second[part]:
+                print(
+                    f"  determinism            step {step}: {part} {first[part]} != {second[part]}"
+                )
+                return [f"{model}: two runs of the same steps differ at step {step} ({part})"]
+    print(f"  determinism            {steps} steps x 2 runs: every state hash equal")
+    return []
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", type=Path, default=None, help="model cache (default: temp)")
@@ -173,6 +209,9 @@ def main() -> int:
         help="tiny random models of these architectures too ('none': no architecture)",
     )  # fmt: skip
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument(
+        "--determinism-steps", type=int, default=3, help="steps run twice and compared (0: skip)"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("FAIL: CUDA is not available", file=sys.stderr)
@@ -190,10 +229,16 @@ def main() -> int:
     if args.device == "cuda" and engine.dtype != torch.bfloat16:
         print(f"FAIL: the CUDA engine runs {engine.dtype}, not bfloat16", file=sys.stderr)
         return 1
+    if args.device == "cuda" and not torch.are_deterministic_algorithms_enabled():
+        print("FAIL: the CUDA engine did not enable deterministic algorithms", file=sys.stderr)
+        return 1
+    print(f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG')}")
     failures: list[str] = []
     for model in [*args.models, *registered]:
         try:
             failures += check_model(engine, model, args.steps)
+            if args.determinism_steps > 0:
+                failures += check_determinism(engine, model, args.determinism_steps)
         except Exception:  # report and go on to the next model
             traceback.print_exc()
             failures.append(f"{model}: raised")

@@ -39,7 +39,6 @@ from treadle.engine.losses.functions import (  # noqa: E402
     MICROBATCH_LOGITS,
     EngineDatum,
     batch_loss,
-    full_logits_vocab,
     get_loss,
     microbatches,
     validate_data,
@@ -95,7 +94,6 @@ def measure(way: str, tokens: int, vocab: int, grads_file: Path) -> dict[str, fl
     loss = get_loss("cross_entropy")
     arrays = validate_data([datum], loss, vocab_size=vocab, max_context_length=tokens)
     logits_per_chunk, checkpoint_layers = WAYS[way]
-    full_vocab = vocab if logits_per_chunk is None else full_logits_vocab(model)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -105,7 +103,7 @@ def measure(way: str, tokens: int, vocab: int, grads_file: Path) -> dict[str, fl
         before = _status_kib("VmRSS") * 1024
     started = time.perf_counter()
     with host.use(weights):
-        for group in microbatches(arrays, full_vocab):
+        for group in microbatches(arrays, 1):  # one datum: one pass, whatever the budget
             _, total = batch_loss(
                 model,
                 group,

@@ -16,7 +16,9 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import redis
 import sqlalchemy as sa
@@ -269,10 +271,19 @@ def test_a_seq_the_source_never_reached_is_refused_saying_how_far_it_went(
 COPIED = ("tenants", "client_sessions", "sessions", "events", "operations")
 
 
-def _copy_session(src: sa.Engine, dst: sa.Engine, model_id: str, altered_seq: int) -> None:
+def _copy_session(
+    src: sa.Engine,
+    dst: sa.Engine,
+    model_id: str,
+    altered_seq: int | None = None,
+    *,
+    forget_pass_tokens: bool = False,
+) -> None:
     """Copy a session's rows (its tenant, client session, session, events and operations) into
-    another database, with one change: the first target token of the forward_backward at
-    `altered_seq` in its logged request."""
+    another database, changing (when `altered_seq` is given) the first target token of the
+    forward_backward at `altered_seq` in its logged request, and (with `forget_pass_tokens`)
+    leaving the pass budget out of every forward_backward's stored result, as a log written
+    before it was recorded would."""
     tables = {name: schema.metadata.tables[name] for name in COPIED}
     with src.connect() as conn:
         session = conn.execute(
@@ -297,13 +308,84 @@ def _copy_session(src: sa.Engine, dst: sa.Engine, model_id: str, altered_seq: in
             target = data["payload"]["data"][0]["loss_fn_inputs"]["target_tokens"]["data"]
             target[0] = (target[0] + 1) % 100
             altered += 1
-    assert altered == 1
+        if forget_pass_tokens and event["type"] == "OperationCompleted":
+            (data.get("result") or {}).pop("pass_tokens", None)
+    assert altered == (altered_seq is not None)
+    forgotten = 0
+    for op in copied["operations"]:
+        if op["type"] == "forward_backward":
+            assert op["result"]["pass_tokens"] == 682  # the CPU's budget on the tiny model
+            if forget_pass_tokens:
+                del op["result"]["pass_tokens"]
+                forgotten += 1
+    assert forgotten == (STEPS if forget_pass_tokens else 0)
     with dst.begin() as conn:
         for name in COPIED:
             conn.execute(tables[name].insert(), copied[name])
         conn.execute(sa.text(
             "SELECT setval(pg_get_serial_sequence('events', 'position'), max(position)) FROM events"
         ))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Replayed:
+    report: dict[str, Any]
+    weights: dict[str, np.ndarray]  # the replay's adapter once rebuilt
+
+
+def _replay_copy(
+    source: Source,
+    tmp_path: Path,
+    *,
+    altered_seq: int | None = None,
+    forget_pass_tokens: bool = False,
+    microbatch_tokens: int | None = None,
+) -> Replayed:
+    """A replay of a copy of the source (`_copy_session`), rebuilt by a worker in this process
+    whose engine has `microbatch_tokens` as its pass budget (None: the CPU's, as the source's)."""
+    with source.db.connect() as conn:
+        actor, tenant = conn.execute(
+            sa.text(
+                "SELECT actor, tenant_id FROM events WHERE session_id = :m"
+                " AND type = 'SessionCreated'"
+            ),
+            {"m": source.model_id},
+        ).one()
+    with private_database(source.platform.database_url, "treadle_altered") as url:
+        copy = db.connect(url, pool_size=2)
+        _copy_session(
+            source.db, copy, source.model_id, altered_seq, forget_pass_tokens=forget_pass_tokens
+        )
+        config = PlatformConfig(
+            database_url=url, redis_url=source.platform.redis_url, data_dir=tmp_path / "data"
+        )
+        broker = redis.Redis.from_url(config.redis_url)
+        engine = Engine(
+            cache_dir=config.cache_dir, device="cpu", microbatch_tokens=microbatch_tokens
+        )
+        host = SessionHost(
+            db=copy, redis_client=broker, engine=engine,
+            store=storage.store_from_config(config), worker_id="worker-altered", config=config,
+        )  # fmt: skip
+        with copy.begin() as conn:
+            leases.heartbeat_worker(conn, "worker-altered", {})
+            principal = Principal(actor, tenant, "member")
+            client_session = sessions_core.create_client_session(conn, principal, [], {})
+        deps = commands.Deps(db=copy, celery=make_celery(config.redis_url), redis=broker,
+                             config=config)  # fmt: skip
+        opened = lineage.open_replay(
+            deps, principal, source_id=source.model_id, client_session_id=client_session,
+            model_seq_id=0,
+        )  # fmt: skip
+        host.wake(opened.session_id, None)  # the worker of the copy, in this process
+        with copy.connect() as conn:
+            report = lineage.report(conn, principal, opened.session_id)
+        broker.delete(routing.session_queue(opened.session_id))  # its unconsumed wake-up
+        weights = {}
+        if engine.has_adapter(opened.session_id):
+            weights = engine.adapter_weights(opened.session_id)
+        copy.dispose()
+    return Replayed(report, weights)
 
 
 def test_a_replay_names_the_operation_whose_logged_payload_was_altered(
@@ -321,40 +403,8 @@ def test_a_replay_names_the_operation_whose_logged_payload_was_altered(
             .scalars()
             .all()
         )
-        actor, tenant = conn.execute(
-            sa.text(
-                "SELECT actor, tenant_id FROM events WHERE session_id = :m"
-                " AND type = 'SessionCreated'"
-            ),
-            {"m": source.model_id},
-        ).one()
     altered = int(fb_seqs[2])
-    with private_database(source.platform.database_url, "treadle_altered") as url:
-        copy = db.connect(url, pool_size=2)
-        _copy_session(source.db, copy, source.model_id, altered)
-        config = PlatformConfig(
-            database_url=url, redis_url=source.platform.redis_url, data_dir=tmp_path / "data"
-        )
-        broker = redis.Redis.from_url(config.redis_url)
-        host = SessionHost(
-            db=copy, redis_client=broker, engine=Engine(cache_dir=config.cache_dir, device="cpu"),
-            store=storage.store_from_config(config), worker_id="worker-altered", config=config,
-        )  # fmt: skip
-        with copy.begin() as conn:
-            leases.heartbeat_worker(conn, "worker-altered", {})
-            principal = Principal(actor, tenant, "member")
-            client_session = sessions_core.create_client_session(conn, principal, [], {})
-        deps = commands.Deps(db=copy, celery=make_celery(config.redis_url), redis=broker,
-                             config=config)  # fmt: skip
-        opened = lineage.open_replay(
-            deps, principal, source_id=source.model_id, client_session_id=client_session,
-            model_seq_id=0,
-        )  # fmt: skip
-        host.wake(opened.session_id, None)  # the worker of the copy, in this process
-        with copy.connect() as conn:
-            report = lineage.report(conn, principal, opened.session_id)
-        broker.delete(routing.session_queue(opened.session_id))  # its unconsumed wake-up
-        copy.dispose()
+    report = _replay_copy(source, tmp_path, altered_seq=altered).report
     assert report["status"] == "diverged", report
     first = report["first_divergence"]
     assert (first["seq_id"], first["operation"], first["part"]) == (
@@ -364,6 +414,36 @@ def test_a_replay_names_the_operation_whose_logged_payload_was_altered(
     )
     assert first["recorded"] != first["replayed"]
     assert report["verified"] == report["replayed"] - 1  # everything before it matched
+
+
+def test_a_replay_on_a_worker_with_another_pass_budget_runs_the_recorded_one(
+    source: Source, tmp_path: Path
+) -> None:
+    """The source trained on workers whose pass budget is the CPU's (682 tokens: each step's two
+    data in one pass); a worker configured with 4 tokens (one pass each, other bits:
+    tests/unit/engine/test_pass_budget.py) rebuilds it with the budget each forward_backward
+    recorded, matching every step, and ends with the weights the source saved, bit for bit."""
+    replayed = _replay_copy(source, tmp_path, microbatch_tokens=4)
+    assert replayed.report["status"] == "matched", replayed.report
+    assert replayed.report["verified"] == replayed.report["replayed"] > 2 * STEPS
+    end = _tensors(source.svc, source.end_path, tmp_path / "end")
+    saved = {k.split(":", 1)[1]: v for k, v in end.items() if k.startswith("adapter_model")}
+    assert saved.keys() == replayed.weights.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, torch.from_numpy(replayed.weights[name])), name
+
+
+def test_without_the_recorded_budget_a_replay_on_another_budget_diverges(
+    source: Source, tmp_path: Path
+) -> None:
+    """The same replay with the budget left out of the log (the engine's own, 4 tokens, runs
+    instead): the first forward_backward's grads differ from the recorded ones. What recording
+    the budget prevents, and the proof the test above could fail."""
+    report = _replay_copy(source, tmp_path, forget_pass_tokens=True, microbatch_tokens=4).report
+    assert report["status"] == "diverged", report
+    first = report["first_divergence"]
+    assert (first["operation"], first["part"]) == ("forward_backward", "grads"), first
+    assert report["verified"] == 1  # create_model only
 
 
 def _treadle(source: Source, *args: str) -> subprocess.CompletedProcess[str]:

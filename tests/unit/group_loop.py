@@ -180,12 +180,11 @@ def main() -> None:
     g = worker_group.init_from_env(timeout_seconds=120, device="cpu", layout=layout)
     model_folder = os.environ.get("GROUP_LOOP_MODEL_FOLDER")
     models = use_folder(Path(model_folder)) if model_folder else get_base_model
+    tokens = MICROBATCH_TOKENS
+    if g.rank == 1 and os.environ.get("GROUP_LOOP_RANK1_TOKENS"):  # configured otherwise
+        tokens = int(os.environ["GROUP_LOOP_RANK1_TOKENS"])
     engine = Engine(
-        cache_dir=cache_dir,
-        device="cpu",
-        parallel=g,
-        microbatch_tokens=MICROBATCH_TOKENS,
-        models=models,
+        cache_dir=cache_dir, device="cpu", parallel=g, microbatch_tokens=tokens, models=models
     )
     if g.rank == 1 and os.environ.get("GROUP_LOOP_DRIFT"):  # a rank whose steps go elsewhere
         step = engine.optim_step

@@ -28,6 +28,7 @@ import treadle.engine.training as training
 from treadle.engine.lora import files as adapter_files
 from treadle.engine.lora.adapters import LoraHost, LoraSpec, TrainableLora
 from treadle.engine.lora.snapshots import Snapshot, Snapshots
+from treadle.engine.losses import passes
 from treadle.engine.losses.functions import (
     EngineDatum,
     get_loss,
@@ -36,6 +37,7 @@ from treadle.engine.losses.functions import (
 from treadle.engine.memory import fingerprint
 from treadle.engine.memory.capacity import device_memory_in_use
 from treadle.engine.memory.paging import Paging
+from treadle.engine.models import determinism
 from treadle.engine.models.loading import load_base_model, load_deferred
 from treadle.engine.models.threads import threads_for
 from treadle.engine.models.weight_files import WeightFiles
@@ -120,8 +122,8 @@ class Engine:
         # engine is a rank of, whose forward_backward computes its share of the parts and gets
         # the others', and whose sharded layout splits base models' decoder layers.
         self.parallel = parallel
-        # Padded tokens per part of a forward_backward (None: `losses.MICROBATCH_TOKENS`): one
-        # pass's size, and the grain a worker group splits a request at.
+        # The operator's pass budget: padded tokens per part of a forward_backward, and the
+        # grain a worker group splits a request at (None: the device's, `passes.pass_tokens`).
         self.microbatch_tokens = microbatch_tokens
         self.pack_cpu_weights = pack_cpu_weights
         # Recompute each decoder layer in the backward instead of keeping its activations (same
@@ -129,6 +131,8 @@ class Engine:
         # (`chunked_logprobs.wants_checkpointing`).
         self.activation_checkpointing = activation_checkpointing
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # before any CUDA work: cuBLAS reads its workspace setting when it starts
+        determinism.apply(self.device)
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.max_resident_adapters = max_resident_adapters
         self.max_loaded_adapters = max_loaded_adapters
@@ -281,13 +285,18 @@ class Engine:
         loss_fn_config: Mapping[str, float] | None = None,
         *,
         forward_only: bool = False,
+        pass_tokens: int | None = None,
         interrupt: Interrupt | None = None,
     ) -> ForwardBackwardResult:
         """Per-datum target logprobs and losses; unless `forward_only`, add the gradient of the
-        summed loss to the adapter's accumulated grads. The request runs in parts, spread by the
+        summed loss to the adapter's accumulated grads. The request runs in parts of at most
+        `pass_tokens` padded tokens (None: this engine's budget, `pass_budget`), spread by the
         engine's `parallel` and added in their order, so the result is the same bit for bit at
-        every world size (`training.forward_backward`). `interrupt` is called between parts:
-        what it raises ends the call with no gradient added."""
+        every world size (`training.forward_backward`) and for the same `pass_tokens`, which the
+        result reports. `interrupt` is called between parts: what it raises ends the call with
+        no gradient added."""
+        if pass_tokens is not None and pass_tokens < 1:
+            raise ValidationError(f"pass_tokens is {pass_tokens}; it must be at least 1")
         loss = get_loss(loss_fn)
         config = resolve_config(loss.spec, loss_fn_config)
         with self._lock:
@@ -301,6 +310,7 @@ class Engine:
                 config=config,
                 model_name=base.info.name,
             )
+            budget = pass_tokens or self._pass_budget(base)
             outputs, total = training.forward_backward(
                 base,
                 adapter.lora,
@@ -309,13 +319,31 @@ class Engine:
                 config,
                 parallel=self.parallel,
                 device=self.device,
-                microbatch_tokens=self.microbatch_tokens,
+                pass_tokens=budget,
                 checkpointing=self.activation_checkpointing,
                 forward_only=forward_only,
                 interrupt=interrupt,
             )
         train_tokens = sum(len(a["tokens"]) for a in arrays)
-        return ForwardBackwardResult(outputs, {"loss:sum": total}, train_tokens)
+        return ForwardBackwardResult(outputs, {"loss:sum": total}, train_tokens, budget)
+
+    def pass_budget(self, adapter_id: str) -> int:
+        """The padded tokens a pass of `adapter_id`'s forward_backward holds here unless the
+        call names its own (`passes.pass_tokens`: the operator's setting, else the device's)."""
+        with self._lock:
+            return self._pass_budget(self._bases[self._record(adapter_id).base_model])
+
+    def _pass_budget(self, base: Base) -> int:
+        weights = 0
+        if self.device.type == "cuda":  # only the accelerator's rule reads it
+            weights = passes.resident_bytes((b.model for b in self._bases.values()), self.device)
+        return passes.pass_tokens(
+            base.model,
+            self.device,
+            configured=self.microbatch_tokens,
+            weights_bytes=weights,
+            checkpointing=self.activation_checkpointing,
+        )
 
     def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]:
         """Apply the grads accumulated since the last step with AdamW(`adam`), then zero them.

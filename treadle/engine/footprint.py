@@ -23,12 +23,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from treadle.engine.lora.targets import resolve
+from treadle.engine.losses import passes
 from treadle.engine.losses.chunked_logprobs import (
     ACTIVATION_VALUES_PER_HIDDEN,
     CHECKPOINT_ABOVE_FRACTION,
     FULL_LOGITS_AT_MOST,
 )
-from treadle.engine.losses.functions import MICROBATCH_LOGITS, MICROBATCH_TOKENS
 from treadle.engine.models import cpu_linear
 from treadle.engine.models.loading import tiny_debug_config
 from treadle.platform.models.catalog import BaseModelInfo, gguf_path
@@ -72,13 +72,10 @@ class Footprint:
         return asdict(self)
 
 
-def pass_tokens(info: BaseModelInfo, vocab_size: int, microbatch_tokens: int) -> int:
-    """The largest training pass, in padded tokens: datums group up to the token budget (and
-    MICROBATCH_LOGITS of logits: `losses.microbatches`), but a datum longer than that runs alone,
-    up to the model's context."""
-    budget = microbatch_tokens or MICROBATCH_TOKENS
-    grouped = max(1, min(budget, MICROBATCH_LOGITS // max(1, vocab_size)))
-    return max(grouped, info.max_context_length)
+def pass_tokens(info: BaseModelInfo, budget: int) -> int:
+    """The largest training pass, in padded tokens: datums group up to the pass budget
+    (`losses.passes`), but a datum longer than that runs alone, up to the model's context."""
+    return max(budget, info.max_context_length)
 
 
 def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path) -> Footprint:
@@ -86,7 +83,7 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
     config it cannot read or build."""
     config = _config(info, cache_dir)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=settings.dtype)
     targets = resolve(model)
     lora_per_rank = {}
     for category in ("attn", "mlp", "unembed"):
@@ -101,16 +98,20 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
     text = config.get_text_config()
     hidden, layers = int(text.hidden_size), int(text.num_hidden_layers)
     vocab = int(text.vocab_size)
-    tokens = pass_tokens(info, vocab, settings.microbatch_tokens)
+    if settings.microbatch_tokens:  # the engine's pass budget (`losses.passes.pass_tokens`)
+        budget = settings.microbatch_tokens
+    elif settings.device.type == "cuda":
+        budget = passes.cuda_pass_tokens(
+            model, settings.device_bytes, weight_bytes, settings.checkpointing
+        )
+    else:
+        budget = passes.cpu_pass_tokens(vocab)
+    tokens = pass_tokens(info, budget)
     full_layers = ACTIVATION_VALUES_PER_HIDDEN * hidden * layers * element  # per token
     checkpointed = settings.checkpointing
     if checkpointed is None:  # chunked_logprobs.wants_checkpointing, on the real device
         checkpointed = tokens * full_layers > CHECKPOINT_ABOVE_FRACTION * settings.device_bytes
-    per_token = (
-        (hidden * layers + ACTIVATION_VALUES_PER_HIDDEN * hidden) * element  # inputs + one layer
-        if checkpointed
-        else full_layers
-    )
+    per_token = passes.token_bytes(model, checkpointed=bool(checkpointed))
     logits = LOGITS_TENSORS * 4 * min(tokens * vocab, FULL_LOGITS_AT_MOST)
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)

@@ -98,6 +98,7 @@ class ForwardBackwardResult:
     outputs: list[dict[str, np.ndarray]]  # per datum: logprobs, elementwise_loss; float32 [T_i]
     metrics: dict[str, float]  # "loss:sum"
     train_tokens: int
+    pass_tokens: int  # the pass budget it ran with: a replay passes it back for the same bits
 
 
 @dataclass
@@ -283,6 +284,7 @@ class EngineAPI(Protocol):
         loss_fn_config: Mapping[str, float] | None = None,
         *,
         forward_only: bool = False,
+        pass_tokens: int | None = None,
         interrupt: Interrupt | None = None,
     ) -> ForwardBackwardResult: ...
 

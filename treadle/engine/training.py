@@ -1,6 +1,7 @@
 """The training bodies: a forward_backward's passes and an optimizer step on one adapter.
 
-A forward_backward runs in parts (`losses.microbatches`), split the same way whatever the
+A forward_backward runs in parts (`losses.microbatches`) of at most `pass_tokens` padded tokens
+(the budget the caller settled on: `losses.passes`), split the same way whatever the
 `Parallelism`: this process computes the passes it is given, whole units of the gradient's
 canonical tree (`gradients`), keeping one running sum per unit, and `exchange` hands it every
 part's outputs and loss, in order, and the request's gradient, added in that tree: the result is
@@ -62,16 +63,17 @@ def forward_backward(
     *,
     parallel: Parallelism,
     device: torch.device,
-    microbatch_tokens: int | None,
+    pass_tokens: int,
     checkpointing: bool | None,
     forward_only: bool,
     interrupt: Interrupt | None,
 ) -> tuple[list[dict[str, np.ndarray]], float]:
     """Each datum's outputs and the summed loss of validated `arrays` under `lora`; unless
     `forward_only`, the gradient is added to its accumulated grads. `interrupt` is called between
-    passes: what it raises ends the call with no gradient added."""
+    passes: what it raises ends the call with no gradient added. Each pass holds at most
+    `pass_tokens` padded tokens: the same number gives the same passes, and so the same bits."""
     vocab_size = base.model.config.vocab_size
-    chunks = microbatches(arrays, vocab_size, max_tokens=microbatch_tokens)
+    chunks = microbatches(arrays, pass_tokens)
     tokens_P = [padded_tokens(chunk) for chunk in chunks]
     units = parallel.units(len(chunks))
     unit_of = {p: u for u, unit in enumerate(units) for p in unit}

@@ -109,8 +109,9 @@ class PlatformConfig:
     # Recompute each decoder layer in the backward instead of keeping its activations: None
     # where a training pass is big enough for it to save memory, True always, False never.
     activation_checkpointing: bool | None = None
-    # Padded tokens per part of a forward_backward (0: the engine's default, 16,384): one
-    # pass's size, and the grain at which a worker group splits a request across its ranks.
+    # Padded tokens per part of a forward_backward (0: the device's budget, from its memory on
+    # CUDA, engine/losses/passes.py): one pass's size, and the grain at which a worker group
+    # splits a request across its ranks. Recorded in each result; a replay uses the recorded one.
     microbatch_tokens: int = 0
     # How long a worker group's collective may wait for a rank before the group fails (rank 0
     # pings the others at a quarter of it while idle).

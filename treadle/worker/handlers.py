@@ -3,7 +3,8 @@
 A handler runs one operation's payload on the engine against `call.adapter_id` and returns its
 `Outcome` (the result the client sees, tokens by class, and what to register in the settlement's
 transaction). In replay (`call.live` false) it writes no files and registers nothing: the log
-already holds what it did. A `rebuild` (the first operation of a replay or a fork) reads another
+already holds what it did; and it runs as its recorded result says it first ran (`call.recorded`:
+a forward_backward's pass budget, which decides its float rounding). A `rebuild` (the first operation of a replay or a fork) reads another
 session's log, so the host passes it in as `call.rebuild`. Imports platform and the engine;
 never api.
 """
@@ -78,6 +79,8 @@ class Call:
     interrupt: Interrupt | None = None
     # Builds call.adapter_id from another session's log (live calls only); returns the report.
     rebuild: Callable[[Call, Rebuild], dict[str, Any]] | None = None
+    # In replay: the result the operation stored when it first ran (what it must run as again).
+    recorded: Mapping[str, Any] | None = None
 
 
 def create_model(call: Call, p: CreateModel) -> Outcome:
@@ -149,20 +152,25 @@ def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
         )
         for d in p.data
     ]
+    pass_tokens = None  # live: the engine's own budget
+    if call.recorded is not None:  # replay: the passes it first ran as, for the same bits
+        pass_tokens = results.ForwardBackwardOutput.model_validate(call.recorded).pass_tokens
     out = call.engine.forward_backward(
         call.adapter_id,
         data,
         p.loss_fn,
         p.loss_fn_config,
         forward_only=p.forward_only,
+        pass_tokens=pass_tokens,
         interrupt=call.interrupt,
     )
     tokens = no_tokens()
     tokens["prefill" if p.forward_only else "train"] = out.train_tokens
     outputs = [{name: _tensor(arr) for name, arr in per_datum.items()} for per_datum in out.outputs]
-    return Outcome(
-        results.ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=out.metrics), tokens
+    result = results.ForwardBackwardOutput(
+        loss_fn_outputs=outputs, metrics=out.metrics, pass_tokens=out.pass_tokens
     )
+    return Outcome(result, tokens)
 
 
 def optim_step(call: Call, p: OptimStep) -> Outcome:

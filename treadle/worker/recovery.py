@@ -1,7 +1,9 @@
 """Rebuilding a training session's adapter from its log: the newest automatic checkpoint at or
 before the target seq_id, then a verified replay of the state-changing operations after it.
 
-Each replayed step's state hashes are compared with those its completion recorded, and a loaded
+Each operation is replayed with the result it first stored at hand (`handlers.Call.recorded`:
+a forward_backward runs with the pass budget it recorded, whatever this worker's). Each replayed
+step's state hashes are compared with those its completion recorded, and a loaded
 checkpoint's with those recorded when it was written; any difference raises `Diverged` (the
 caller marks the session diverged rather than train on weights its log does not describe). A
 rebuild that cannot find what it needs raises `Unrecoverable`. `recover` is the rebuild of a
@@ -151,6 +153,7 @@ def rebuild(
             adapter_id=adapter_id,
             seq_id=op.seq_id,
             live=False,
+            recorded=op.result,
         )
         try:
             try:

@@ -37,6 +37,7 @@ from treadle.engine.losses.functions import (
     microbatches,
     validate_data,
 )
+from treadle.engine.losses.passes import cpu_pass_tokens
 
 VOCAB = 256
 LENGTHS = (24, 17)  # longer than the sliding windows (16); 41 real positions, 48 padded
@@ -224,11 +225,12 @@ def test_checkpointing_by_default_only_where_activations_pass_the_budget() -> No
     assert wants_checkpointing(model, int(budget // 5120) + 1)
 
 
-def test_microbatches_are_bounded_by_tokens_and_logits() -> None:
+def test_microbatches_are_bounded_by_the_pass_budget() -> None:
     arrays = [{"tokens": np.zeros(n, np.int64)} for n in (8192, 8192, 100, 16384)]
-    groups = microbatches(arrays, None)
+    groups = microbatches(arrays, MICROBATCH_TOKENS)
     assert [[len(a["tokens"]) for a in g] for g in groups] == [[8192, 8192], [100], [16384]]
-    assert len(microbatches(arrays, 151_936)) == 4  # full logits: each runs alone
+    # the CPU's budget for a 151,936-token vocabulary is 220 tokens: each runs alone
+    assert len(microbatches(arrays, cpu_pass_tokens(151_936))) == 4
 
 
 def test_the_engine_checkpointing_or_not_accumulates_the_same_grads(cache_dir: Path) -> None:

@@ -23,13 +23,13 @@ from engine_support import (
 )
 
 from treadle.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
-from treadle.engine.losses import functions as losses_module
 from treadle.engine.losses.functions import (
     MICROBATCH_LOGITS,
     MICROBATCH_TOKENS,
     microbatches,
     padded_tokens,
 )
+from treadle.engine.losses.passes import cpu_pass_tokens
 from treadle.engine.models import loading as models
 from treadle.platform.errors import ConflictError, NotFoundError, ValidationError
 from treadle.platform.models.catalog import SMOLLM2_NAME
@@ -149,8 +149,9 @@ def test_microbatches_keep_their_logits_within_the_bound() -> None:
     def datum(n: int) -> dict[str, np.ndarray]:
         return {"tokens": np.zeros(n, np.int64)}
 
-    vocab = 49_152  # MICROBATCH_LOGITS // vocab = 682 padded tokens a pass
-    groups = microbatches([datum(n) for n in (300, 300, 300, 100, 50, 2000, 10)], vocab)
+    vocab = 49_152  # the CPU's budget: MICROBATCH_LOGITS // vocab = 682 padded tokens a pass
+    budget = cpu_pass_tokens(vocab)
+    groups = microbatches([datum(n) for n in (300, 300, 300, 100, 50, 2000, 10)], budget)
     assert [[len(a["tokens"]) for a in g] for g in groups] == [
         [300, 300],
         [300, 100],
@@ -159,27 +160,26 @@ def test_microbatches_keep_their_logits_within_the_bound() -> None:
         [10],
     ]  # a datum longer than the bound runs alone
     assert all(padded_tokens(g) * vocab <= MICROBATCH_LOGITS for g in groups if len(g) > 1)
-    small = microbatches([datum(300)] * 6, 1000)  # a small vocabulary: the token bound rules
+    small = microbatches([datum(300)] * 6, cpu_pass_tokens(1000))  # the token bound rules
     assert len(small) == 1 and padded_tokens(small[0]) <= MICROBATCH_TOKENS
 
 
-def test_a_batch_run_in_several_passes_equals_its_passes_as_calls(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A batch larger than one pass's token budget (shrunk here, so three small data split):
+def test_a_batch_run_in_several_passes_equals_its_passes_as_calls(engine: Engine) -> None:
+    """A batch larger than one pass's token budget (500 here, so three small data split):
     the grads of its passes add up like separate calls on its parts (what the split must not
     change)."""
-    monkeypatch.setattr(losses_module, "MICROBATCH_TOKENS", 500)
     rng = np.random.default_rng(5)
     data = [ce_datum([int(t) for t in rng.integers(1, 49_000, n)]) for n in (400, 390, 380)]
-    assert len(microbatches([{"tokens": np.asarray(d.tokens)} for d in data], 49_152)) == 3
+    assert len(microbatches([{"tokens": np.asarray(d.tokens)} for d in data], 500)) == 3
     parts, whole = new_adapter(engine), new_adapter(engine)
     randomise_b(engine, parts, seed=1)
     randomise_b(engine, whole, seed=1)
     losses = [
         engine.forward_backward(parts, [d], "cross_entropy").metrics["loss:sum"] for d in data
     ]
-    both = engine.forward_backward(whole, data, "cross_entropy").metrics["loss:sum"]
+    together = engine.forward_backward(whole, data, "cross_entropy", pass_tokens=500)
+    assert together.pass_tokens == 500
+    both = together.metrics["loss:sum"]
     assert sum(losses) == pytest.approx(both, rel=1e-6)
     for (name, x), y in zip(
         engine.adapter_grads(parts).items(), engine.adapter_grads(whole).values(), strict=True

@@ -213,6 +213,22 @@ def test_a_sharded_group_whose_first_call_is_a_sample_serves_it(
     assert result["weight_hash"] == alone["weight_hash"]
 
 
+def test_a_rank_configured_with_another_pass_budget_splits_as_rank_0_says(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1's engine is configured with a pass budget of 4,096 tokens (every request one
+    pass), rank 0's with the loop's 96: rank 0 sends its budget with each forward_backward, so
+    both cut every request the same way and the group equals one process at 96, bit for bit."""
+    alone = one_process(cache_dir)
+    out = tmp_path / "out.json"
+    codes, logs = run_ranks(cache_dir, out, env={"GROUP_LOOP_RANK1_TOKENS": "4096"})
+    assert codes == [0, 0], logs[-6000:]
+    grouped = json.loads(out.read_text())
+    for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
+        assert a["state"] == b["state"], f"step {step}"
+    assert alone["weight_hash"] == grouped["weight_hash"]
+
+
 def test_a_rank_whose_weights_drift_fails_the_group_instead_of_training_on(
     cache_dir: Path, tmp_path: Path
 ) -> None:

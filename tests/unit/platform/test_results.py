@@ -112,6 +112,17 @@ def test_a_registered_save_stores_its_version_and_an_unregistered_one_leaves_it_
     }
 
 
+def test_a_forward_backward_stores_its_pass_budget_and_an_older_result_reads_without_it() -> None:
+    """The budget a forward_backward ran with is stored (replay runs it again with it); a result
+    written before it was recorded reads back with none and stores the same JSON."""
+    older = STORED[OpType.FORWARD_BACKWARD]
+    assert results.ForwardBackwardOutput.model_validate(older).pass_tokens is None
+    recorded = {**older, "pass_tokens": 682}
+    typed = results.ForwardBackwardOutput.model_validate(recorded)
+    assert typed.pass_tokens == 682
+    _same_json(typed, recorded)
+
+
 def test_numbers_are_stored_as_given() -> None:
     """Tensor data keeps ints as ints and floats as floats; -0.0 stays -0.0."""
     outputs = [{"ids": Tensor(dtype="int64", shape=[2], data=[3, 4]),

@@ -132,8 +132,13 @@ class GroupExecutor:
         loss_fn_config: Mapping[str, float] | None = None,
         *,
         forward_only: bool = False,
+        pass_tokens: int | None = None,
         interrupt: Interrupt | None = None,
     ) -> ForwardBackwardResult:
+        if pass_tokens is None and self.engine.has_adapter(adapter_id):
+            # Rank 0's budget for every rank: the ranks must cut the request the same way,
+            # whatever their own memory says.
+            pass_tokens = self.engine.pass_budget(adapter_id)
         result: ForwardBackwardResult = self._mirror(
             "forward_backward",
             adapter_id,
@@ -141,6 +146,7 @@ class GroupExecutor:
             loss_fn,
             loss_fn_config,
             forward_only=forward_only,
+            pass_tokens=pass_tokens,
             interrupt=interrupt,
         )
         return result

@@ -158,14 +158,18 @@ def _chunk_logprobs(head: Head, hidden_C_H: Tensor, targets_C: Tensor) -> Tensor
     return picked_C - torch.logsumexp(logits_C_V, dim=-1)
 
 
-def wants_checkpointing(model: PreTrainedModel, tokens: int) -> bool:
+def wants_checkpointing(
+    model: PreTrainedModel, tokens: int, device_bytes: int | None = None
+) -> bool:
     """Whether checkpointing the decoder layers of a training pass over `tokens` padded tokens
-    saves enough memory to be worth a third more compute (see CHECKPOINT_ABOVE_FRACTION)."""
+    saves enough memory to be worth a third more compute (see CHECKPOINT_ABOVE_FRACTION) on a
+    device of `device_bytes` (None: the model's own device's memory)."""
     config = model.config.get_text_config()
     first = next(model.parameters())
     kept = ACTIVATION_VALUES_PER_HIDDEN * config.hidden_size * config.num_hidden_layers
-    budget = CHECKPOINT_ABOVE_FRACTION * device_memory(first.device)
-    return tokens * kept * first.element_size() > budget
+    if device_bytes is None:
+        device_bytes = device_memory(first.device)
+    return tokens * kept * first.element_size() > CHECKPOINT_ABOVE_FRACTION * device_bytes
 
 
 @contextlib.contextmanager

@@ -44,14 +44,14 @@ __all__ = [
     "validate_data",
 ]
 
-# Padded tokens per forward pass; bigger batches run as several passes whose grads add up.
+# The CPU's pass budget (`losses.passes.cpu_pass_tokens`): at most this many padded tokens...
 MICROBATCH_TOKENS = 16384
-# Logits computed at once (positions x vocabulary): one chunk of `chunked_logprobs`, or a whole
-# pass of a model whose full logits it cannot chunk. Several float32 tensors of this size live at
-# once (the logits, the unembedding LoRA's delta, log-softmax and its gradient), so this, not the
-# token count, bounds a large vocabulary's memory. 2**25 is 128 MiB a tensor, 682 tokens of a
-# 49,152-token vocabulary; smaller passes were not slower on the CPU (docs/benchmarks.md, "Memory
-# of a worker under RL"; "Memory of one long sequence" for the chunks).
+# ...and this many logits (positions x vocabulary) a pass. Also one chunk of `chunked_logprobs`,
+# and the bound on a sample batch's prefill logits. Several float32 tensors of this size live at
+# once (the logits, the unembedding LoRA's delta, log-softmax and its gradient). 2**25 is 128 MiB
+# a tensor, 682 tokens of a 49,152-token vocabulary; smaller passes were not slower on the CPU
+# (docs/benchmarks.md, "Memory of a worker under RL"; "Memory of one long sequence" for the
+# chunks).
 MICROBATCH_LOGITS = 2**25
 
 Tensor = torch.Tensor
@@ -249,24 +249,21 @@ def _recorded_arrays(
 
 
 def microbatches(
-    arrays: list[dict[str, np.ndarray]], vocab_size: int | None, max_tokens: int | None = None
+    arrays: list[dict[str, np.ndarray]], max_tokens: int
 ) -> list[list[dict[str, np.ndarray]]]:
-    """Consecutive groups whose padded size (rows x longest) stays within `max_tokens`
-    (MICROBATCH_TOKENS by default) and, for a `vocab_size` vocabulary, whose logits stay within
-    MICROBATCH_LOGITS: passes of that size were the fastest on the CPU. A datum longer than that
-    runs alone, its logits computed in chunks once they pass FULL_LOGITS_AT_MOST (`batch_loss`),
-    so no pass holds [T, V] logits however long its sequence. With `vocab_size` None only the
-    token budget applies. A datum's results do not depend on its group (up to float
-    rounding)."""
-    limit = MICROBATCH_TOKENS if max_tokens is None else max_tokens
-    if vocab_size is not None:
-        limit = max(1, min(limit, MICROBATCH_LOGITS // vocab_size))
+    """Consecutive groups whose padded size (rows x longest) stays within `max_tokens`, the
+    engine's pass budget (`losses.passes`); a datum longer than that runs alone. The logits are
+    bounded apart from it: a pass computes them in chunks once they pass FULL_LOGITS_AT_MOST
+    (`batch_loss`), so no pass holds [T, V] logits however many tokens it has. A datum's results
+    do not depend on its group up to float rounding, so a replay groups with the budget the
+    call first ran with (its result records it)."""
+    assert max_tokens > 0, max_tokens
     groups: list[list[dict[str, np.ndarray]]] = []
     current: list[dict[str, np.ndarray]] = []
     width = 0
     for a in arrays:
         n = len(a["tokens"])
-        if current and (len(current) + 1) * max(width, n) > limit:
+        if current and (len(current) + 1) * max(width, n) > max_tokens:
             groups.append(current)
             current, width = [], 0
         current.append(a)

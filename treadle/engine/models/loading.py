@@ -2,7 +2,8 @@
 SmolLM2 (from its GGUF, cached).
 
 A registered model loads with `AutoModelForCausalLM.from_pretrained(folder)`, offline, in the
-engine's dtype unless its entry names one (on CUDA; the CPU always runs float32). Owns the model
+engine's dtype unless its entry names one (on CUDA; the CPU always runs float32), its attention
+pinned (`determinism.attention_implementation`: SDPA where the class has it, else eager). Owns the model
 cache `<cache_dir>/models/<safe name>/` (safetensors written once from the
 dequantised GGUF; later loads read it directly). Returns frozen models in eval mode; LoRA is the
 engine's business. Must not import flask, sqlalchemy, celery or treadle.api.
@@ -18,13 +19,17 @@ from typing import Any
 
 import torch
 from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from treadle.engine.models import determinism
 from treadle.engine.models.weight_files import WeightFiles, build_deferred
 from treadle.platform.models.catalog import BaseModelInfo, get_base_model, gguf_path
 from treadle.platform.models.tokenizers import load_tokenizer, safe_name
@@ -62,11 +67,11 @@ def load_base_model(
     if info.kind == "hf":
         assert info.path is not None, info
         dtype = _registered_dtype(info, device, dtype)
-        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype, local_files_only=True)
+        model = _from_pretrained(info.path, dtype=dtype, local_files_only=True)
     elif info.kind == "tiny-debug":
         model = build_tiny_debug(tokenizer)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir(info, cache_dir)), dtype=dtype)
+        model = _from_pretrained(str(model_dir(info, cache_dir)), dtype=dtype)
     model.to(device="cpu" if on_host else device, dtype=dtype)  # type: ignore[call-arg]
     model.eval()
     model.requires_grad_(False)
@@ -88,10 +93,29 @@ def load_deferred(
     tokenizer = load_tokenizer(info, cache_dir)
     if info.kind == "hf":
         assert info.path is not None, info
-        model, files = build_deferred(Path(info.path), _registered_dtype(info, device, dtype))
+        folder, dtype = Path(info.path), _registered_dtype(info, device, dtype)
     else:
-        model, files = build_deferred(model_dir(info, cache_dir), dtype)
+        folder = model_dir(info, cache_dir)
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    attention = determinism.attention_implementation(_model_class(config))
+    model, files = build_deferred(folder, dtype, attention)
     return model, tokenizer, files
+
+
+def _from_pretrained(folder: str, **kwargs: Any) -> PreTrainedModel:
+    """The folder's causal LM with its attention pinned (`determinism.attention_implementation`),
+    not left to what transformers finds installed."""
+    config = AutoConfig.from_pretrained(folder, local_files_only=kwargs.get("local_files_only"))
+    model_class = _model_class(config)
+    attention = determinism.attention_implementation(model_class)
+    return AutoModelForCausalLM.from_pretrained(  # type: ignore[no-any-return]
+        folder, attn_implementation=attention, **kwargs
+    )
+
+
+def _model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    model_class: type[PreTrainedModel] = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # type: ignore[assignment]
+    return model_class
 
 
 def _registered_dtype(
@@ -115,6 +139,7 @@ def build_tiny_debug(tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        attn_implementation=determinism.attention_implementation(LlamaForCausalLM),  # type: ignore[call-arg]
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_DEBUG_SEED)

@@ -5,7 +5,8 @@ layer, shards it and frees it before reading the next).
 
 Owns `build_deferred` (the model from its config, parameters on meta, buffers real, as
 `from_pretrained` would leave them) and `WeightFiles` (which file holds each parameter; a read
-opens the file, copies the tensors out and closes it, so no mapping outlives a module). A folder
+opens the file and takes a module's tensors: over the file's mapping where the dtype is the
+file's, as `from_pretrained` leaves them, converted copies where it is not). A folder
 whose tensor names are not the model's own (a checkpoint transformers converts while loading,
 such as per-expert MoE weights it stacks) has no `WeightFiles`: the caller loads it whole.
 Must not import flask, sqlalchemy, celery or treadle.api.
@@ -71,20 +72,25 @@ class WeightFiles:
         return read
 
 
-def build_deferred(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, WeightFiles | None]:
-    """The causal LM saved in `folder`, frozen and in eval mode, its parameters on the meta
-    device (its buffers real, in `dtype`), and where its weights are; or the model loaded whole
-    (`from_pretrained`) and None where the files' tensor names are not the model's."""
+def build_deferred(
+    folder: Path, dtype: torch.dtype, attention: str | None = None
+) -> tuple[PreTrainedModel, WeightFiles | None]:
+    """The causal LM saved in `folder`, frozen and in eval mode, with `attention` as its
+    attention implementation (None: transformers' default), its parameters on the meta device (its buffers real, in `dtype`),
+    and where its weights are; or the model loaded whole (`from_pretrained`) and None where the
+    files' tensor names are not the model's."""
     files = _tensor_files(folder) or {}
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     model.tie_weights()  # as `from_pretrained` does once it has loaded
     model.to(dtype=dtype)  # type: ignore[call-arg]  # the buffers, as a whole load's `to` does
     named = list(model.named_parameters(remove_duplicate=False))
     keys = {id(param): name for name, param in named if name in files}
     if any(id(param) not in keys for _, param in named):
-        whole = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        whole = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, local_files_only=True, attn_implementation=attention
+        )
         whole.to(device="cpu", dtype=dtype)  # type: ignore[call-arg]
         return _frozen(whole), None
     return _frozen(model), WeightFiles(keys, files, dtype)

@@ -68,11 +68,17 @@ class RebuildOutput(Result):
 
 class ForwardBackwardOutput(Result):
     """Per datum its outputs by name (`logprobs`, `elementwise_loss`: float32 [T_i]), and the
-    request's metrics named `name:reduction` (`loss:sum`)."""
+    request's metrics named `name:reduction` (`loss:sum`). `pass_tokens` is the pass budget the
+    engine ran it with (padded tokens a pass): the grouping of the data into passes changes the
+    float rounding, so recovery, replay and fork run it again with this budget, whatever the
+    worker that does so is configured with (absent from results written before it was
+    recorded: those ran with the CPU's rule, the engine's default there)."""
 
     TYPE = OpType.FORWARD_BACKWARD
+    OMITTED_WHEN_NONE = frozenset({"pass_tokens"})
     loss_fn_outputs: list[dict[str, Tensor]]
     metrics: dict[str, float]
+    pass_tokens: int | None = None
 
 
 class OptimStepOutput(Result):
