@@ -1,8 +1,9 @@
 """One fixed training loop run on an engine, at any world size and layout: what tests/unit/
 test_worker_group.py compares. Run as a module, it is one rank of a worker group (torchrun's
 environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; GROUP_LOOP_LAYOUT replicated or
-sharded): rank 0 drives the loop through a `GroupExecutor` and writes the result as JSON, the
-others follow.
+sharded; GROUP_LOOP_MODEL_FOLDER, a registrable model folder to run on instead of the built-in
+tiny model): rank 0 drives the loop through a `GroupExecutor` and writes the result as JSON,
+the others follow.
 
     python -m tests.unit.group_loop CACHE_DIR OUT.json [save|load FOLDER]
 """
@@ -28,7 +29,8 @@ from treadle.engine import (  # noqa: E402
     SampleRequest,
     SamplingSpec,
 )
-from treadle.platform.models.catalog import TINY_DEBUG_NAME  # noqa: E402
+from treadle.platform.models import model_files  # noqa: E402
+from treadle.platform.models.catalog import TINY_DEBUG_NAME, BaseModelInfo  # noqa: E402
 
 MICROBATCH_TOKENS = 96  # small parts, so a request splits across ranks
 LORA = LoraSpec(rank=4, alpha=8.0, seed=7)
@@ -36,9 +38,14 @@ ADAM = AdamSpec(learning_rate=1e-2)
 STEPS = 10
 
 
-def datum(seed: int, n: int, rl: bool) -> EngineDatum:
+def registered(folder: Path) -> BaseModelInfo:
+    """The registry entry of the model in `folder` (named `group-loop/model`)."""
+    return model_files.inspect_folder("group-loop/model", folder, model_files.Options())
+
+
+def datum(seed: int, n: int, rl: bool, vocab: int = 49_000) -> EngineDatum:
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(1, 49_000, n + 1)
+    tokens = rng.integers(1, vocab, n + 1)
     inputs: dict[str, np.ndarray] = {"target_tokens": tokens[1:].astype(np.int64)}
     if rl:
         inputs["logprobs"] = np.full(n, -3.0, np.float32)
@@ -60,12 +67,12 @@ class StopAt:
             raise RuntimeError(f"stopped at step {self.n}")
 
 
-def sample_some(engine: Any, snapshot_id: str | None) -> list[Any]:
+def sample_some(engine: Any, snapshot_id: str | None, model: str = TINY_DEBUG_NAME) -> list[Any]:
     """Four seeded requests in one batch (a rank each, in a group), one stopped at its third
     step: each one's tokens and logprobs, or its error."""
     requests = [
         SampleRequest(
-            TINY_DEBUG_NAME,
+            model,
             snapshot_id,
             prompt,
             n,
@@ -85,23 +92,32 @@ def sample_some(engine: Any, snapshot_id: str | None) -> list[Any]:
     return out
 
 
-def run_loop(engine: Any, load: Path | None = None, save: Path | None = None) -> dict[str, Any]:
+def run_loop(
+    engine: Any,
+    load: Path | None = None,
+    save: Path | None = None,
+    model: BaseModelInfo | None = None,
+) -> dict[str, Any]:
     """Ten steps of cross_entropy and ppo on six data of mixed lengths, an optimizer step each;
     every step's per-datum logprobs and losses and the state hashes after it, and every third
     step samples from a snapshot of the adapter (and once from the base model alone). With
     `load`, the adapter starts from that export (weights and Adam state); with `save`, it is
-    exported after five steps."""
+    exported after five steps. On `model` (a registered one) instead of the built-in one if
+    given, its every LoRA target adapted."""
+    name = TINY_DEBUG_NAME if model is None else model.name
+    vocab = 49_000 if model is None else model.vocab_size
     if load is None:
-        engine.create_adapter("a", TINY_DEBUG_NAME, LORA)
+        engine.create_adapter("a", name, LORA)
     else:
-        engine.import_adapter("a", TINY_DEBUG_NAME, load, with_optimizer=True)
+        engine.import_adapter("a", name, load, with_optimizer=True)
     steps = []
-    samples = [sample_some(engine, None)]
+    samples = [sample_some(engine, None, name)]
     first = 0 if load is None else STEPS // 2
     for step in range(first, STEPS):
         loss = "ppo" if step % 3 == 2 else "cross_entropy"
         data = [
-            datum(100 * step + i, n, loss == "ppo") for i, n in enumerate((40, 9, 33, 17, 60, 25))
+            datum(100 * step + i, n, loss == "ppo", vocab)
+            for i, n in enumerate((40, 9, 33, 17, 60, 25))
         ]
         out = engine.forward_backward("a", data, loss)
         metrics = engine.optim_step("a", ADAM)
@@ -116,7 +132,7 @@ def run_loop(engine: Any, load: Path | None = None, save: Path | None = None) ->
         )
         if step % 3 == 0:
             engine.snapshot("a", f"s{step}")
-            samples.append(sample_some(engine, f"s{step}"))
+            samples.append(sample_some(engine, f"s{step}", name))
         if save is not None and step == STEPS // 2 - 1:
             engine.export_adapter("a", save, with_optimizer=True)
     return {"steps": steps, "samples": samples, "weight_hash": engine.weight_hash("a")}
@@ -154,8 +170,14 @@ def main() -> None:
     mode, folder = (sys.argv[3], Path(sys.argv[4])) if len(sys.argv) > 4 else ("", None)
     layout = os.environ.get("GROUP_LOOP_LAYOUT", "replicated")
     g = worker_group.init_from_env(timeout_seconds=120, device="cpu", layout=layout)
+    folder_env = os.environ.get("GROUP_LOOP_MODEL_FOLDER")
+    model = registered(Path(folder_env)) if folder_env else None
     engine = Engine(
-        cache_dir=cache_dir, device="cpu", parallel=g, microbatch_tokens=MICROBATCH_TOKENS
+        cache_dir=cache_dir,
+        device="cpu",
+        parallel=g,
+        microbatch_tokens=MICROBATCH_TOKENS,
+        **({} if model is None else {"models": {model.name: model}.__getitem__}),
     )
     if g.rank == 1 and os.environ.get("GROUP_LOOP_DRIFT"):  # a rank whose steps go elsewhere
         step = engine.optim_step
@@ -181,6 +203,7 @@ def main() -> None:
                     leader,
                     load=folder if mode == "load" else None,
                     save=folder if mode == "save" else None,
+                    model=model,
                 )
         finally:
             leader.close()
