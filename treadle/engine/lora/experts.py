@@ -87,22 +87,24 @@ class LoraExperts(nn.Module):
             return self.base(hidden_N_H, experts_N_K, routing_N_K)  # type: ignore[no-any-return]
         base: Any = self.base  # transformers' experts layout (`use_experts_implementation`)
         tokens, k = experts_N_K.shape
-        # The (token, choice) pairs sorted by expert, so each expert's pairs are one slice.
+        # The (token, choice) pairs sorted by expert, so each expert's pairs are one piece.
         expert_P = experts_N_K.reshape(-1)
         order_P = torch.argsort(expert_P, stable=True)
-        x_P_H = hidden_N_H[order_P // k]
         counts = torch.bincount(expert_P, minlength=self._experts).tolist()  # one host sync
-        masks = [(w, None if m is None else m.repeat_interleave(k)[order_P]) for w, m in plan]
+        # split and unbind, not a slice or an index per expert: their backwards each write one
+        # whole gradient, where a slice's would write a zero tensor of the whole per expert
+        x_E = hidden_N_H[order_P // k].split(counts)
+        runs = [
+            _Run(w, None if m is None else m.repeat_interleave(k)[order_P].split(counts))
+            for w, m in plan
+        ]
         outs: list[torch.Tensor] = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
+        for expert, x_M_H in enumerate(x_E):
+            if len(x_M_H) == 0:
                 continue
-            span = slice(start, start + count)
-            h = self._project("up", expert, x_P_H[span], span, masks)
-            h = base._apply_gate(h) if base.has_gate else base.act_fn(h)
-            outs.append(self._project("down", expert, h, span, masks))
-            start += count
+            h_M_I = self._project("up", expert, x_M_H, runs)
+            h_M_I = base._apply_gate(h_M_I) if base.has_gate else base.act_fn(h_M_I)
+            outs.append(self._project("down", expert, h_M_I, runs))
         out_P_H = torch.cat(outs)
         if base.has_post_expert_norm:
             out_P_H = base.post_expert_norm(out_P_H)
@@ -114,32 +116,69 @@ class LoraExperts(nn.Module):
         return out_N_H.to(hidden_N_H.dtype)
 
     def _project(
-        self,
-        role: str,
-        expert: int,
-        x_M_in: torch.Tensor,
-        span: slice,
-        masks: Sequence[tuple[ExpertAdapter, torch.Tensor | None]],
+        self, role: str, expert: int, x_M_in: torch.Tensor, runs: list[_Run]
     ) -> torch.Tensor:
-        """Expert `expert`'s projection `role` of its pairs `x_M_in` (the sorted pairs `span`),
-        plus each adapter's delta on the pairs it runs (its mask; None: all)."""
+        """Expert `expert`'s projection `role` of its pairs `x_M_in`, plus the delta of each
+        adapter (`runs`) on the pairs it runs."""
         param = self._params[role]
         w = getattr(self.base, param)[expert]
         y_M_out = x_M_in @ w if self.base.is_transposed else F.linear(x_M_in, w)
         if self.base.has_bias:
             y_M_out = y_M_out + getattr(self.base, f"{param}_bias")[expert]
         key = self._keys[role]
-        for weights, mask_P in masks:
-            if key not in weights.A:
+        for run in runs:
+            factors = run.factors(key, self._experts)
+            if factors is None:
                 continue
-            a_E_r_in, b_E_out_r = expert_factors(weights.A[key], weights.B[key], self._experts)
-            a_r_in, b_out_r = a_E_r_in[expert], b_E_out_r[expert]
-            if mask_P is None:
-                d_M_out = F.linear(F.linear(x_M_in.to(a_r_in.dtype), a_r_in), b_out_r)
-                y_M_out = y_M_out + (d_M_out * weights.scale).to(y_M_out.dtype)
+            a_r_in, b_out_r = factors[0][expert], factors[1][expert]
+            if run.mask_E is None:
+                y_M_out = _plus_delta(y_M_out, x_M_in, a_r_in, b_out_r, run.weights.scale)
                 continue
-            rows = mask_P[span].nonzero()[:, 0]
+            rows = run.mask_E[expert].nonzero()[:, 0]
             if len(rows):
-                d_m_out = F.linear(F.linear(x_M_in[rows].to(a_r_in.dtype), a_r_in), b_out_r)
-                y_M_out = y_M_out.index_add(0, rows, (d_m_out * weights.scale).to(y_M_out.dtype))
+                d_m_out = _plus_delta(
+                    y_M_out[rows], x_M_in[rows], a_r_in, b_out_r, run.weights.scale
+                )
+                y_M_out = y_M_out.index_copy(0, rows, d_m_out)
         return y_M_out
+
+
+def _plus_delta(
+    y_M_out: torch.Tensor,
+    x_M_in: torch.Tensor,
+    a_r_in: torch.Tensor,
+    b_out_r: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`y + scale * x @ A.T @ B.T`, in the adapter's dtype, the result in `y`'s. The scale goes
+    on the rank-wide product, the smallest tensor it can; where `y` has the adapter's dtype the
+    second product and the add are one `addmm`."""
+    h_M_r = F.linear(x_M_in.to(a_r_in.dtype), a_r_in) * scale
+    if y_M_out.dtype == a_r_in.dtype:
+        return torch.addmm(y_M_out, h_M_r, b_out_r.T)
+    return y_M_out + F.linear(h_M_r, b_out_r).to(y_M_out.dtype)
+
+
+class _Run:
+    """One adapter in one experts pass: which of each expert's pairs it runs (`mask_E`; None:
+    all), and each targeted parameter's per-expert A and B, unbound once per pass."""
+
+    def __init__(self, weights: ExpertAdapter, mask_E: Sequence[torch.Tensor] | None) -> None:
+        self.weights = weights
+        self.mask_E = mask_E
+        self._factors: dict[str, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None] = {}
+
+    def factors(
+        self, key: str, experts: int
+    ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None:
+        """Each expert's A [rank, in] and B [out, rank] of parameter `key`; None if the adapter
+        does not target it."""
+        if key not in self._factors:
+            if key in self.weights.A:
+                a_E_r_in, b_E_out_r = expert_factors(
+                    self.weights.A[key], self.weights.B[key], experts
+                )
+                self._factors[key] = (a_E_r_in.unbind(0), b_E_out_r.unbind(0))
+            else:
+                self._factors[key] = None
+        return self._factors[key]
