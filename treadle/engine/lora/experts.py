@@ -83,7 +83,7 @@ class LoraExperts(nn.Module):
         self, hidden_N_H: torch.Tensor, experts_N_K: torch.Tensor, routing_N_K: torch.Tensor
     ) -> torch.Tensor:
         plan = self._plan(frozenset(self._keys.values()), hidden_N_H.shape[0], hidden_N_H.device)
-        if not plan:
+        if not plan or hidden_N_H.shape[0] == 0:
             return self.base(hidden_N_H, experts_N_K, routing_N_K)  # type: ignore[no-any-return]
         base: Any = self.base  # transformers' experts layout (`use_experts_implementation`)
         tokens, k = experts_N_K.shape
