@@ -312,15 +312,25 @@ def test_a_plain_peft_export_reads_back(
         torch.testing.assert_close(dict(fresh.tensors())[name], tensor, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_an_adapter_peft_saves_loads_into_treadle(arch: str, tmp_path: Path) -> None:
-    spec = spec_for(arch)
+@pytest.mark.parametrize(
+    ("arch", "flags"),
+    [(a, (True, True, True)) for a in ARCHITECTURES] + [(a, (False, True, False)) for a in MOE],
+    ids=lambda x: x if isinstance(x, str) else "-".join("amu"[i] for i in range(3) if x[i]),
+)
+def test_an_adapter_peft_saves_loads_into_treadle(
+    arch: str, flags: tuple[bool, bool, bool], tmp_path: Path
+) -> None:
+    """On MoE models with the experts alone too: peft's config then has `target_modules` []
+    and the experts in `target_parameters`."""
+    spec = spec_for(arch, *flags)
     model = build(arch)
     host = LoraHost(model)
     weights = random_weights(host, spec)
     twin = peft_twin(arch, spec, weights)
     twin.save_pretrained(str(tmp_path))
     saved = adapter_files.read_adapter(tmp_path, "", with_optimizer=False)
+    flags_read = (saved.spec.train_attn, saved.spec.train_mlp, saved.spec.train_unembed)
+    assert flags_read == flags
     loaded = host.new_weights(saved.spec, CPU)
     loaded.load(saved.tensors)
     with host.use(loaded):
