@@ -123,9 +123,7 @@ def forward_logprobs(tc: tinker.TrainingClient, tokens: list[int]) -> np.ndarray
 def test_a_registered_model_trains_samples_saves_and_loads(
     service: tinker.ServiceClient, names: dict[str, str], arch: str
 ) -> None:
-    tc = service.create_lora_training_client(
-        names[arch], rank=4, seed=3, train_mlp=arch not in architectures.MOE
-    ).result()
+    tc = service.create_lora_training_client(names[arch], rank=4, seed=3).result()
     info = tc.get_info()
     assert info.model_data.tokenizer_id == names[arch]
     n = len(PROMPT) - 1
@@ -200,9 +198,7 @@ def test_a_merged_export_loads_in_plain_transformers(
 
     svc = treadle.ServiceClient(base_url=platform.base_url, api_key=key)
     try:
-        tc = svc.create_lora_training_client(
-            names[arch], rank=4, seed=1, train_mlp=arch not in architectures.MOE
-        )
+        tc = svc.create_lora_training_client(names[arch], rank=4, seed=1)
         tc.forward_backward([ce_datum(PROMPT)], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
         out = tc.forward([ce_datum(PROMPT)], "cross_entropy").result()
@@ -225,11 +221,32 @@ def test_a_merged_export_loads_in_plain_transformers(
 
 
 @pytest.mark.parametrize("arch", sorted(architectures.MOE))
-def test_train_mlp_on_a_moe_model_is_refused_with_the_reason(
-    service: tinker.ServiceClient, names: dict[str, str], arch: str
+def test_a_moe_session_adapts_its_experts_by_default(
+    platform: Platform,
+    key: str,
+    service: tinker.ServiceClient,
+    names: dict[str, str],
+    arch: str,
+    tmp_path: Path,
 ) -> None:
-    with pytest.raises(tinker.BadRequestError, match="3-D parameters.*train_mlp=False"):
-        service.create_lora_training_client(names[arch], rank=4).result()
+    """train_mlp=True (the SDK's default) on Qwen3-MoE and gpt-oss adapts every expert, as peft's
+    `target_parameters`: the saved state says so and holds their tensors."""
+    tc = service.create_lora_training_client(names[arch], rank=4, seed=2).result()
+    tc.forward_backward([ce_datum(PROMPT)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = tc.save_state("experts").result().path
+    checkpoints = CheckpointsClient(platform.base_url, key)
+    try:
+        checkpoints.download(path, tmp_path / "state")
+    finally:
+        checkpoints.http.close()
+    config = json.loads((tmp_path / "state" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "state" / "adapter_model.safetensors"), "pt") as f:
+        expert_tensors = [k for k in f.keys() if ".mlp.experts." in k]  # noqa: SIM118
+    assert len(expert_tensors) == 8  # A and B of gate_up_proj and down_proj, two layers
 
 
 def test_the_registry_lists_shows_and_retires(

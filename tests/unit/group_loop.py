@@ -1,14 +1,13 @@
 """One fixed training loop run on an engine, at any world size and layout: what tests/unit/
 test_worker_group.py compares. Run as a module, it is one rank of a worker group (torchrun's
 environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; GROUP_LOOP_LAYOUT replicated or
-sharded): rank 0 drives the loop through a `GroupExecutor` and writes the result as JSON, the
-others follow.
+sharded; GROUP_LOOP_MODEL_FOLDER, a registrable model folder to run on instead of the built-in
+tiny model: a sharded group then reads it from its files a layer at a time, where they allow,
+`engine/models/weight_files.py`): rank 0 drives the loop through a `GroupExecutor` and writes
+the result as JSON (with, sharded, the shape of the mesh a layer is sharded on), the others
+follow.
 
     python -m tests.unit.group_loop CACHE_DIR OUT.json [save|load FOLDER]
-
-With GROUP_LOOP_MODEL_FOLDER set (a folder `tests/tiny_models.py` wrote), the loop runs on that
-registered model instead of the tiny debug one: a sharded group then reads it from its files a
-layer at a time (`engine/models/weight_files.py`).
 """
 
 from __future__ import annotations
@@ -33,36 +32,22 @@ from treadle.engine import (  # noqa: E402
     SamplingSpec,
 )
 from treadle.platform.models import model_files  # noqa: E402
-from treadle.platform.models.catalog import (  # noqa: E402
-    TINY_DEBUG_NAME,
-    BaseModelInfo,
-    get_base_model,
-)
+from treadle.platform.models.catalog import TINY_DEBUG_NAME, BaseModelInfo  # noqa: E402
 
 MICROBATCH_TOKENS = 96  # small parts, so a request splits across ranks
 LORA = LoraSpec(rank=4, alpha=8.0, seed=7)
 ADAM = AdamSpec(learning_rate=1e-2)
 STEPS = 10
-BASE = TINY_DEBUG_NAME  # the model the loop runs on (`use_folder` changes it)
-TOKENS = 49_000  # data are drawn below this id
-FOLDER_MODEL = "tiny/group-loop"
 
 
-def use_folder(folder: Path) -> Any:
-    """Run the loop on the model saved in `folder`: the engine's `models` argument for it."""
-    global BASE, TOKENS
-    info = model_files.inspect_folder(FOLDER_MODEL, folder, model_files.Options())
-    BASE, TOKENS = info.name, info.tokenizer_vocab_size
-
-    def models(name: str) -> BaseModelInfo:
-        return info if name == info.name else get_base_model(name)
-
-    return models
+def registered(folder: Path) -> BaseModelInfo:
+    """The registry entry of the model in `folder` (named `group-loop/model`)."""
+    return model_files.inspect_folder("group-loop/model", folder, model_files.Options())
 
 
-def datum(seed: int, n: int, rl: bool) -> EngineDatum:
+def datum(seed: int, n: int, rl: bool, vocab: int = 49_000) -> EngineDatum:
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(1, TOKENS, n + 1)
+    tokens = rng.integers(1, vocab, n + 1)
     inputs: dict[str, np.ndarray] = {"target_tokens": tokens[1:].astype(np.int64)}
     if rl:
         inputs["logprobs"] = np.full(n, -3.0, np.float32)
@@ -84,12 +69,12 @@ class StopAt:
             raise RuntimeError(f"stopped at step {self.n}")
 
 
-def sample_some(engine: Any, snapshot_id: str | None) -> list[Any]:
+def sample_some(engine: Any, snapshot_id: str | None, model: str = TINY_DEBUG_NAME) -> list[Any]:
     """Four seeded requests in one batch (a rank each, in a group), one stopped at its third
     step: each one's tokens and logprobs, or its error."""
     requests = [
         SampleRequest(
-            BASE,
+            model,
             snapshot_id,
             prompt,
             n,
@@ -109,23 +94,32 @@ def sample_some(engine: Any, snapshot_id: str | None) -> list[Any]:
     return out
 
 
-def run_loop(engine: Any, load: Path | None = None, save: Path | None = None) -> dict[str, Any]:
+def run_loop(
+    engine: Any,
+    load: Path | None = None,
+    save: Path | None = None,
+    model: BaseModelInfo | None = None,
+) -> dict[str, Any]:
     """Ten steps of cross_entropy and ppo on six data of mixed lengths, an optimizer step each;
     every step's per-datum logprobs and losses and the state hashes after it, and every third
     step samples from a snapshot of the adapter (and once from the base model alone). With
     `load`, the adapter starts from that export (weights and Adam state); with `save`, it is
-    exported after five steps."""
+    exported after five steps. On `model` (a registered one) instead of the built-in one if
+    given, its every LoRA target adapted."""
+    name = TINY_DEBUG_NAME if model is None else model.name
+    vocab = 49_000 if model is None else model.vocab_size
     if load is None:
-        engine.create_adapter("a", BASE, LORA)
+        engine.create_adapter("a", name, LORA)
     else:
-        engine.import_adapter("a", BASE, load, with_optimizer=True)
+        engine.import_adapter("a", name, load, with_optimizer=True)
     steps = []
-    samples = [sample_some(engine, None)]
+    samples = [sample_some(engine, None, name)]
     first = 0 if load is None else STEPS // 2
     for step in range(first, STEPS):
         loss = "ppo" if step % 3 == 2 else "cross_entropy"
         data = [
-            datum(100 * step + i, n, loss == "ppo") for i, n in enumerate((40, 9, 33, 17, 60, 25))
+            datum(100 * step + i, n, loss == "ppo", vocab)
+            for i, n in enumerate((40, 9, 33, 17, 60, 25))
         ]
         out = engine.forward_backward("a", data, loss)
         metrics = engine.optim_step("a", ADAM)
@@ -140,7 +134,7 @@ def run_loop(engine: Any, load: Path | None = None, save: Path | None = None) ->
         )
         if step % 3 == 0:
             engine.snapshot("a", f"s{step}")
-            samples.append(sample_some(engine, f"s{step}"))
+            samples.append(sample_some(engine, f"s{step}", name))
         if save is not None and step == STEPS // 2 - 1:
             engine.export_adapter("a", save, with_optimizer=True)
     return {"steps": steps, "samples": samples, "weight_hash": engine.weight_hash("a")}
@@ -149,7 +143,7 @@ def run_loop(engine: Any, load: Path | None = None, save: Path | None = None) ->
 def broken_sampling(engine: Any) -> dict[str, Any]:
     """Sample while rank 1 cannot (its engine fails to open a batch), then train a step: what
     the batch raised, and whether the group went on."""
-    engine.create_adapter("a", BASE, LORA)
+    engine.create_adapter("a", TINY_DEBUG_NAME, LORA)
     try:
         sample_some(engine, None)
         error = ""
@@ -164,7 +158,7 @@ def sample_first(engine: Any) -> dict[str, Any]:
     """The base model's first use a sample (no adapter on it yet), then a training step: what
     was sampled and the weights after."""
     samples = sample_some(engine, None)
-    engine.create_adapter("a", BASE, LORA)
+    engine.create_adapter("a", TINY_DEBUG_NAME, LORA)
     engine.forward_backward("a", [datum(1, 40, False)], "cross_entropy")
     engine.optim_step("a", ADAM)
     return {"samples": samples, "weight_hash": engine.weight_hash("a")}
@@ -178,13 +172,17 @@ def main() -> None:
     mode, folder = (sys.argv[3], Path(sys.argv[4])) if len(sys.argv) > 4 else ("", None)
     layout = os.environ.get("GROUP_LOOP_LAYOUT", "replicated")
     g = worker_group.init_from_env(timeout_seconds=120, device="cpu", layout=layout)
-    model_folder = os.environ.get("GROUP_LOOP_MODEL_FOLDER")
-    models = use_folder(Path(model_folder)) if model_folder else get_base_model
+    folder_env = os.environ.get("GROUP_LOOP_MODEL_FOLDER")
+    model = registered(Path(folder_env)) if folder_env else None
     tokens = MICROBATCH_TOKENS
     if g.rank == 1 and os.environ.get("GROUP_LOOP_RANK1_TOKENS"):  # configured otherwise
         tokens = int(os.environ["GROUP_LOOP_RANK1_TOKENS"])
     engine = Engine(
-        cache_dir=cache_dir, device="cpu", parallel=g, microbatch_tokens=tokens, models=models
+        cache_dir=cache_dir,
+        device="cpu",
+        parallel=g,
+        microbatch_tokens=tokens,
+        **({} if model is None else {"models": {model.name: model}.__getitem__}),
     )
     if g.rank == 1 and os.environ.get("GROUP_LOOP_DRIFT"):  # a rank whose steps go elsewhere
         step = engine.optim_step
@@ -210,9 +208,11 @@ def main() -> None:
                     leader,
                     load=folder if mode == "load" else None,
                     save=folder if mode == "save" else None,
+                    model=model,
                 )
             if layout == "sharded":  # how rank 0 holds a layer's weights
-                layer = engine._bases[BASE].model.get_decoder().layers[0]
+                base = engine._bases[TINY_DEBUG_NAME if model is None else model.name]
+                layer = base.model.get_decoder().layers[0]
                 result["mesh"] = list(next(layer.parameters()).device_mesh.shape)
         finally:
             leader.close()

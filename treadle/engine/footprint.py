@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from treadle.engine.lora.targets import resolve
+from treadle.engine.lora.targets import is_expert_key, resolve, split_expert_key
 from treadle.engine.losses import passes
 from treadle.engine.losses.chunked_logprobs import (
     ACTIVATION_VALUES_PER_HIDDEN,
@@ -87,9 +87,7 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
     targets = resolve(model)
     lora_per_rank = {}
     for category in ("attn", "mlp", "unembed"):
-        names = getattr(targets, category)
-        modules = [model.get_submodule(n) for n in names]
-        lora_per_rank[category] = sum(m.in_features + m.out_features for m in modules)
+        lora_per_rank[category] = sum(_lora_per_rank(model, n) for n in getattr(targets, category))
     element = torch.empty((), dtype=settings.dtype).element_size()
     parameters = info.parameters or sum(p.numel() for p in model.parameters())
     weight_bytes = parameters * element // max(1, settings.shards)
@@ -136,6 +134,18 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
         kv_bytes=kv_per_token * settings.sampler_kv_tokens,
         load_host_bytes=load_host,
     )
+
+
+def _lora_per_rank(model: torch.nn.Module, name: str) -> int:
+    """LoRA parameters per unit of rank of target `name`: a linear's in + out features; an MoE
+    experts parameter's ([experts, in, out] or [experts, out, in]) one LoRA per expert."""
+    if is_expert_key(name):
+        module, parameter = split_expert_key(name)
+        experts, a, b = getattr(model.get_submodule(module), parameter).shape
+        return int(experts * (a + b))
+    linear = model.get_submodule(name)
+    assert isinstance(linear, torch.nn.Linear), name
+    return linear.in_features + linear.out_features
 
 
 def _packs(settings: PassSettings) -> bool:

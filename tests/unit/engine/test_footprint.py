@@ -46,7 +46,7 @@ def _registered(arch: str, folder: Path) -> tuple[BaseModelInfo, torch.nn.Module
     return info, model
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "phi3", "gemma3", "qwen3-moe", "gpt-oss"])
 def test_lora_parameters_per_rank_are_a_real_adapters(arch: str, tmp_path: Path) -> None:
     info, model = _registered(arch, tmp_path)
     fp = model_footprint(info, CPU, tmp_path)

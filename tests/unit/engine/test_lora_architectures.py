@@ -1,8 +1,9 @@
 """LoRA on every architecture Treadle is tested on (tiny random models of `tests/architectures.py`,
 the eight once admitted by name and those admitted by structure): Treadle adapts the modules peft
-adapts (with Treadle's suffixes, and peft's own `all-linear` choice), its loss and LoRA gradients
-equal peft's, its exports load in plain peft and transformers, MoE models with 3-D experts refuse
-MLP training, and the engine resolves a refused architecture's blocks as registration did."""
+adapts (with Treadle's suffixes, and peft's own `all-linear` choice; MoE experts stored as 3-D
+parameters as peft's `target_parameters` adapts them, one LoRA per expert), its loss and LoRA
+gradients equal peft's, its exports load in plain peft and transformers, and the engine resolves a
+refused architecture's blocks as registration did."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from treadle.engine.lora.targets import (
     ATTN_SUFFIXES,
     MLP_SUFFIXES,
     UNEMBED_SUFFIXES,
+    expert_key,
     resolve,
     suffix_category,
 )
@@ -48,9 +50,8 @@ CROSS_ENTROPY = get_loss("cross_entropy")
 
 
 def spec_for(arch: str, attn: bool = True, mlp: bool = True, unembed: bool = True) -> LoraSpec:
-    """Rank 4, alpha 8; MLP off for architectures with 3-D experts."""
-    return LoraSpec(4, 8.0, seed=1, train_attn=attn, train_mlp=mlp and arch not in MOE,
-                    train_unembed=unembed)  # fmt: skip
+    """Rank 4, alpha 8."""
+    return LoraSpec(4, 8.0, seed=1, train_attn=attn, train_mlp=mlp, train_unembed=unembed)
 
 
 def random_weights(host: LoraHost, spec: LoraSpec) -> LoraWeights:
@@ -64,21 +65,30 @@ def random_weights(host: LoraHost, spec: LoraSpec) -> LoraWeights:
 
 
 def peft_twin(arch: str, spec: LoraSpec, weights: LoraWeights) -> PeftModel:
-    """A fresh model of `arch` under peft with the suffixes Treadle resolves and `weights`."""
+    """A fresh model of `arch` under peft with the suffixes (`target_modules`) and expert
+    parameters (`target_parameters`) Treadle resolves, and `weights`, copied in by name: peft's
+    names of its LoRA tensors are the names Treadle gives them."""
     model = build(arch)
+    targets = resolve(model)
     config = LoraConfig(
         r=spec.rank,
         lora_alpha=spec.alpha,
-        target_modules=list(resolve(model).suffixes(spec)),
+        target_modules=list(targets.suffixes(spec)),
+        target_parameters=list(targets.parameter_suffixes(spec)) or None,
         lora_dropout=0.0,
     )
     twin = get_peft_model(model, config)
+    ours, theirs = dict(weights.tensors()), peft_tensors(twin)
+    assert set(ours) == set(theirs)
     with torch.no_grad():
-        for name in weights.A:
-            layer = twin.base_model.model.get_submodule(name)
-            layer.lora_A["default"].weight.copy_(weights.A[name])
-            layer.lora_B["default"].weight.copy_(weights.B[name])
+        for name, tensor in theirs.items():
+            tensor.copy_(ours[name])
     return twin
+
+
+def peft_tensors(twin: PeftModel) -> dict[str, nn.Parameter]:
+    """peft's LoRA tensors under the names it saves them with."""
+    return {n.replace(".default.", "."): p for n, p in twin.named_parameters() if ".lora_" in n}
 
 
 def peft_adapted(model: nn.Module) -> set[str]:
@@ -130,15 +140,20 @@ def logits(model: nn.Module) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("arch", "flags"),
-    [(a, f) for a in ARCHITECTURES for f in FLAGS if not (a in MOE and f[1])],  # see below
+    [(a, f) for a in ARCHITECTURES for f in FLAGS],
     ids=lambda x: x if isinstance(x, str) else "-".join("amu"[i] for i in range(3) if x[i]),
 )
 def test_treadle_adapts_the_modules_peft_adapts(arch: str, flags: tuple[bool, bool, bool]) -> None:
+    """Same tensors, same names and shapes (`peft_twin` checks the names; `copy_` the shapes),
+    and the same modules wrapped (an experts module once per adapted parameter in peft)."""
     spec = LoraSpec(4, 8.0, train_attn=flags[0], train_mlp=flags[1], train_unembed=flags[2])
     host = LoraHost(build(arch))
     weights = host.new_weights(spec, CPU)
     twin = peft_twin(arch, spec, weights)
-    assert set(weights.A) == peft_adapted(twin)
+    names = {
+        n.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for n, _ in weights.tensors()
+    }
+    assert names == peft_adapted(twin)
     assert list(weights.A) == list(host.targets.for_spec(spec))
 
 
@@ -154,26 +169,37 @@ def test_a_dense_model_has_every_decoder_linear_and_lm_head_adapted(arch: str) -
 
 
 @pytest.mark.parametrize("arch", sorted(MOE))
-def test_moe_models_have_attention_and_lm_head_adapted(arch: str) -> None:
+def test_moe_models_have_attention_every_expert_parameter_and_lm_head_adapted(arch: str) -> None:
+    """Every 3-D parameter of the MLPs (each layer's experts' gate_up_proj and down_proj) is an
+    MLP target; the router's weights (`gate`, `router`: 2-D) never are."""
     model = build(arch)
     targets = resolve(model)
-    assert targets.experts_3d and targets.mlp == ()
+    assert targets.experts_3d
+    stacked = [n for n, p in model.named_parameters() if p.dim() == 3]
+    assert len(stacked) == 2 * model.config.num_hidden_layers
+    assert list(targets.mlp) == list(targets.experts)
+    assert targets.experts == tuple(expert_key(*n.rsplit(".", 1)) for n in stacked)
+    routers = [n for n, _ in model.named_parameters() if ".gate." in n or ".router." in n]
+    assert routers and not any(key.split(":")[0] in r for r in routers for key in targets.mlp)
     attention = {
         n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".self_attn." in n
     }
     assert set(targets.attn) == attention and targets.unembed == ("lm_head",)
+    assert targets.unknown == ()
 
 
-@pytest.mark.parametrize("flags", [f for f in FLAGS if f[1]], ids=str)
 @pytest.mark.parametrize("arch", sorted(MOE))
-def test_moe_refuses_mlp_training(arch: str, flags: tuple[bool, bool, bool]) -> None:
-    host = LoraHost(build(arch))
-    spec = LoraSpec(4, 8.0, train_attn=flags[0], train_mlp=True, train_unembed=flags[2])
-    with pytest.raises(ValidationError) as refused:
-        host.new_weights(spec, CPU)
-    message = str(refused.value)
-    assert host.targets.architecture in message
-    assert "3-D parameters" in message and "train_mlp=False" in message
+def test_an_experts_module_of_another_layout_is_refused_not_skipped(arch: str) -> None:
+    """Experts whose forward Treadle cannot follow (no transformers experts layout) refuse MLP
+    training, naming their parameters; attention and unembedding still train."""
+    model = build(arch)
+    del model.model.layers[1].mlp.experts.is_transposed
+    host = LoraHost(model)
+    with pytest.raises(
+        ValidationError, match=r"layers\.1\.mlp\.experts:gate_up_proj.*train_mlp=False"
+    ):
+        host.new_weights(LoraSpec(4, 8.0), CPU)
+    assert host.new_weights(LoraSpec(4, 8.0, train_mlp=False), CPU).A
 
 
 def test_a_category_that_matches_nothing_is_refused() -> None:
@@ -204,9 +230,14 @@ def test_every_suffix_belongs_to_one_category() -> None:
 # -- same numbers as peft -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_loss_and_lora_grads_equal_peft(arch: str) -> None:
-    spec = spec_for(arch)
+@pytest.mark.parametrize(
+    ("arch", "flags"),
+    [(a, (True, True, True)) for a in ARCHITECTURES] + [(a, (False, True, False)) for a in MOE],
+    ids=lambda x: x if isinstance(x, str) else "-".join("amu"[i] for i in range(3) if x[i]),
+)
+def test_loss_and_lora_grads_equal_peft(arch: str, flags: tuple[bool, bool, bool]) -> None:
+    """On MoE models with the experts alone too (mlp only): their deltas change the loss."""
+    spec = spec_for(arch, *flags)
     model = build(arch)
     host = LoraHost(model)
     weights = random_weights(host, spec)
@@ -219,14 +250,11 @@ def test_loss_and_lora_grads_equal_peft(arch: str) -> None:
     torch.testing.assert_close(loss, twin_loss, rtol=1e-6, atol=1e-5)  # 1 ulp of ~200
     with host.use(None), torch.no_grad():  # the adapter really changes the loss
         assert abs(treadle_loss(model).item() - loss.item()) > 1e-3
-    for name in weights.A:
-        layer = twin.base_model.model.get_submodule(name)
-        for ours, theirs in (
-            (weights.A[name], layer.lora_A["default"].weight),
-            (weights.B[name], layer.lora_B["default"].weight),
-        ):
-            assert ours.grad is not None and theirs.grad is not None, name
-            torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-5)
+    theirs = peft_tensors(twin)
+    for name, ours in weights.tensors():
+        assert ours.grad is not None and theirs[name].grad is not None, name
+        assert ours.grad.abs().max() > 0, name  # every tensor takes part
+        torch.testing.assert_close(ours.grad, theirs[name].grad, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", DENSE)
@@ -331,15 +359,25 @@ def test_a_plain_peft_export_reads_back(
         torch.testing.assert_close(dict(fresh.tensors())[name], tensor, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_an_adapter_peft_saves_loads_into_treadle(arch: str, tmp_path: Path) -> None:
-    spec = spec_for(arch)
+@pytest.mark.parametrize(
+    ("arch", "flags"),
+    [(a, (True, True, True)) for a in ARCHITECTURES] + [(a, (False, True, False)) for a in MOE],
+    ids=lambda x: x if isinstance(x, str) else "-".join("amu"[i] for i in range(3) if x[i]),
+)
+def test_an_adapter_peft_saves_loads_into_treadle(
+    arch: str, flags: tuple[bool, bool, bool], tmp_path: Path
+) -> None:
+    """On MoE models with the experts alone too: peft's config then has `target_modules` []
+    and the experts in `target_parameters`."""
+    spec = spec_for(arch, *flags)
     model = build(arch)
     host = LoraHost(model)
     weights = random_weights(host, spec)
     twin = peft_twin(arch, spec, weights)
     twin.save_pretrained(str(tmp_path))
     saved = adapter_files.read_adapter(tmp_path, "", with_optimizer=False)
+    flags_read = (saved.spec.train_attn, saved.spec.train_mlp, saved.spec.train_unembed)
+    assert flags_read == flags
     loaded = host.new_weights(saved.spec, CPU)
     loaded.load(saved.tensors)
     with host.use(loaded):

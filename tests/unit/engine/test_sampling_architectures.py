@@ -2,7 +2,7 @@
 sliding-window ones included, with prompts and continuations longer than their window: a job's
 tokens are the same alone and inside a left-padded batch that another job joins mid-decoding, and
 its logprobs (sampled and prompt) are those of one plain forward pass without a cache, with a LoRA
-adapter.
+adapter (on MoE models, on their experts too).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from tests.architectures import ARCHITECTURES, SLIDING, build
+from tests.architectures import ARCHITECTURES, MOE, SLIDING, build
 from treadle.engine.lora.adapters import LoraHost, LoraSpec, LoraWeights
 from treadle.engine.sampling.decode import DecodeBatch, SampleJob, generate_batch
 from treadle.engine.sampling.prompt_scores import PromptScoring
@@ -36,10 +36,11 @@ class Arch:
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def arch(request: pytest.FixtureRequest) -> Arch:
-    """The tiny model of one architecture with a LoRA adapter whose B is not zero."""
+    """The tiny model of one architecture with a LoRA adapter (attention, MLP or experts, and
+    unembedding) whose B is not zero."""
     model = build(request.param)
     host = LoraHost(model)
-    lora = host.new_weights(LoraSpec(rank=4, alpha=8.0, train_mlp=False), CPU)
+    lora = host.new_weights(LoraSpec(rank=4, alpha=8.0), CPU)
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for b in lora.B.values():
@@ -139,6 +140,37 @@ def test_adapter_changes_the_logprobs(arch: Arch) -> None:
     tokens = _prompt(32, 8)
     with_lora = _forward_logprobs(arch, tokens, arch.lora)
     assert not np.allclose(with_lora, _forward_logprobs(arch, tokens, None), atol=1e-3)
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_an_experts_only_adapter_samples_with_its_experts(name: str) -> None:
+    """An adapter on a MoE model's experts alone (nonzero B): its sampled and prompt logprobs,
+    alone (one adapter on every row) and beside a base-model neighbour (an adapter per row),
+    are those of a forward pass with it, and not the base model's."""
+    model = build(name)
+    host = LoraHost(model)
+    spec = LoraSpec(rank=4, alpha=8.0, train_attn=False, train_unembed=False)
+    lora = host.new_weights(spec, CPU)
+    assert lora.A and all(":" in key for key in lora.A)  # expert parameters only
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for b in lora.B.values():
+            b.copy_(torch.randn(b.shape, generator=generator) * 0.2)
+    arch = Arch(model, host, lora)
+    job = _job(arch, 20, 6, samples=2)
+    neighbour = _job(arch, 26, 7, lora=False)
+    alone = _alone(arch, job)
+    beside, _ = generate_batch(model, host, [job, neighbour], eos_token_id=None, decode=_decode)
+    for out in (alone, beside):
+        assert isinstance(out, SampleResult) and out.prompt_logprobs is not None
+        for seq in out.sequences:
+            tokens = [*job.prompt, *seq.tokens]
+            expected = _forward_logprobs(arch, tokens, lora)
+            np.testing.assert_allclose(seq.logprobs, expected[len(job.prompt) - 1 :], atol=1e-5)
+            np.testing.assert_allclose(
+                out.prompt_logprobs[1:], expected[: len(job.prompt) - 1], atol=1e-5
+            )
+            assert not np.allclose(expected, _forward_logprobs(arch, tokens, None), atol=1e-3)
 
 
 @pytest.mark.parametrize("name", sorted(SLIDING))

@@ -36,11 +36,15 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_cache_dir(tmp_path_factory)
 
 
-def one_process(cache_dir: Path, **kwargs: Any) -> dict[str, Any]:
+def one_process(cache_dir: Path, model_folder: Path | None = None, **kwargs: Any) -> dict[str, Any]:
+    model = None if model_folder is None else group_loop.registered(model_folder)
     engine = Engine(
-        cache_dir=cache_dir, device="cpu", microbatch_tokens=group_loop.MICROBATCH_TOKENS
+        cache_dir=cache_dir,
+        device="cpu",
+        microbatch_tokens=group_loop.MICROBATCH_TOKENS,
+        **({} if model is None else {"models": {model.name: model}.__getitem__}),
     )
-    return group_loop.run_loop(engine, **kwargs)
+    return group_loop.run_loop(engine, model=model, **kwargs)
 
 
 def run_ranks(
@@ -71,9 +75,16 @@ def run_ranks(
 
 
 def group_of_two(
-    cache_dir: Path, out: Path, *extra: str, layout: str = "replicated"
+    cache_dir: Path,
+    out: Path,
+    *extra: str,
+    layout: str = "replicated",
+    model_folder: Path | None = None,
 ) -> dict[str, Any]:
-    codes, logs = run_ranks(cache_dir, out, *extra, env={"GROUP_LOOP_LAYOUT": layout})
+    env = {"GROUP_LOOP_LAYOUT": layout}
+    if model_folder is not None:
+        env["GROUP_LOOP_MODEL_FOLDER"] = str(model_folder)
+    codes, logs = run_ranks(cache_dir, out, *extra, env=env)
     assert codes == [0, 0], logs[-6000:]
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
@@ -136,26 +147,31 @@ def test_a_group_whose_ranks_do_not_split_into_equal_hosts_is_refused() -> None:
 
 
 def test_a_sharded_group_reading_its_model_a_layer_at_a_time_equals_one_process(
-    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cache_dir: Path, tmp_path: Path
 ) -> None:
     """A registered model: each rank builds it on the meta device and reads its decoder layers
     from the safetensors file one at a time, keeping its shards; one process loads it whole."""
     folder = tiny_models.model_folder("llama3", tmp_path / "model")
-    monkeypatch.setattr(group_loop, "BASE", group_loop.BASE)  # restored after the test
-    monkeypatch.setattr(group_loop, "TOKENS", group_loop.TOKENS)
-    models = group_loop.use_folder(folder)
-    engine = Engine(
-        cache_dir=cache_dir,
-        device="cpu",
-        microbatch_tokens=group_loop.MICROBATCH_TOKENS,
-        models=models,
-    )
-    alone = group_loop.run_loop(engine)
-    out = tmp_path / "out.json"
-    env = {"GROUP_LOOP_LAYOUT": "sharded", "GROUP_LOOP_MODEL_FOLDER": str(folder)}
-    codes, logs = run_ranks(cache_dir, out, env=env)
-    assert codes == [0, 0], logs[-6000:]
-    grouped = json.loads(out.read_text())
+    alone = one_process(cache_dir, folder)
+    grouped = group_of_two(cache_dir, tmp_path / "out.json", layout="sharded", model_folder=folder)
+    assert grouped["mesh"] == [2]
+    for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
+        assert a["state"] == b["state"], f"step {step}"
+        assert a["logprobs"] == b["logprobs"] and a["losses"] == b["losses"], f"step {step}"
+    assert alone["weight_hash"] == grouped["weight_hash"]
+    same_samples(alone["samples"], grouped["samples"])
+
+
+def test_a_sharded_group_trains_moe_experts_as_one_process_does(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Tiny Qwen3-MoE with every target adapted (its experts' 3-D parameters too): each rank
+    holds half of every layer's experts (FSDP2 shards the stacks by expert), gathered for each
+    pass, and the loop ends as in one process, bit for bit."""
+    folder = tiny_models.model_folder("qwen3-moe", tmp_path / "qwen3-moe")
+    assert group_loop.LORA.train_mlp and "mlp" in group_loop.registered(folder).lora_targets
+    alone = one_process(cache_dir, folder)
+    grouped = group_of_two(cache_dir, tmp_path / "out.json", layout="sharded", model_folder=folder)
     for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
         assert a["state"] == b["state"], f"step {step}"
         assert a["logprobs"] == b["logprobs"] and a["losses"] == b["losses"], f"step {step}"

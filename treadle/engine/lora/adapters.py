@@ -1,8 +1,9 @@
 """Many LoRA adapters on one frozen base model, one active at a time (or one per batch row).
 
 Owns `LoraSpec` (an adapter's rank, alpha, seed and targets), `LoraHost` (wraps the base model's
-target linears once, as `lora_targets.resolve` finds them, and refuses a spec the model cannot
-train), `LoraWeights` (one adapter's A/B matrices as plain tensors) and
+target linears, and its MoE experts modules (`lora.experts`), once, as `lora_targets.resolve`
+finds them, and refuses a spec the model cannot train), `LoraWeights` (one adapter's A/B
+matrices as plain tensors) and
 `TrainableLora` (weights plus accumulated grads and AdamW state, movable between the accelerator
 and host memory as a unit, releasable and restorable as a unit for paging to disk, its Adam state
 readable and restorable exactly). Adapters and snapshots
@@ -25,9 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.engine.lora.experts import LoraExperts, expert_shape
 from treadle.engine.lora.targets import (
     LoraTargets,
+    is_expert_key,
+    peft_module_paths,
     resolve,
+    split_expert_key,
 )
 from treadle.engine.models import cpu_linear
 from treadle.engine.optim import AdamSpec, adamw
@@ -59,6 +64,10 @@ class LoraWeights:
     """One adapter: `A[name]` is [rank, in_features], `B[name]` is [out_features, rank], float32.
 
     The delta added to module `name`'s output is `scale * x @ A.T @ B.T`, `scale = alpha / rank`.
+    An experts module's 3-D parameter (`name` an `expert_key`, `module:parameter`) has one such
+    pair per expert, stored as peft stores them: A [experts * rank, in], B [out, rank * experts]
+    (`lora.experts.expert_factors`). The keys keep the model's order (peft's names of expert
+    tensors depend on it: `tensors()`).
     """
 
     scale: float
@@ -66,11 +75,13 @@ class LoraWeights:
     B: dict[str, torch.Tensor]
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every tensor with its peft-style name, in a fixed order (module order, A before B)."""
+        """Every tensor with its peft name, in a fixed order (module order, A before B). An
+        expert parameter's are named by the `ParamWrapper` peft nests around its module for it
+        (`peft_module_paths`)."""
         named: list[tuple[str, torch.Tensor]] = []
-        for module in self.A:
-            named.append((f"base_model.model.{module}.lora_A.weight", self.A[module]))
-            named.append((f"base_model.model.{module}.lora_B.weight", self.B[module]))
+        for name, path in zip(self.A, peft_module_paths(list(self.A)), strict=True):
+            named.append((f"base_model.model.{path}.lora_A.weight", self.A[name]))
+            named.append((f"base_model.model.{path}.lora_B.weight", self.B[name]))
         return named
 
     def parameters(self) -> list[torch.Tensor]:
@@ -290,22 +301,51 @@ def _runs(weights_R: list[LoraWeights | None]) -> list[tuple[LoraWeights | None,
 
 class LoraHost:
     """Wraps every attention, MLP and unembedding linear of `model` (`targets`, as
-    `lora_targets.resolve` finds them) in a `LoraLinear`, in place."""
+    `lora_targets.resolve` finds them) in a `LoraLinear`, and every experts module whose 3-D
+    parameters are targets in a `LoraExperts`, in place."""
 
     def __init__(self, model: nn.Module) -> None:
         self.targets: LoraTargets = resolve(model)
         self.active: LoraWeights | None = None
         self.rows: RowAdapters | None = None  # when set, an adapter per row (`use_rows`)
         self.shapes: dict[str, tuple[int, int]] = {}  # module name -> (in_features, out_features)
+        # expert key -> (experts, in_features, out_features)
+        self.expert_shapes: dict[str, tuple[int, int, int]] = {}
         self.linears: dict[str, LoraLinear] = {}
+        self.experts: dict[str, LoraExperts] = {}
         for name in self.targets.linears:
             module = model.get_submodule(name)
             assert isinstance(module, nn.Linear), name
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
             self.linears[name] = LoraLinear(module, name, self)
-            setattr(parent, child, self.linears[name])
+            _replace(model, name, self.linears[name])
             self.shapes[name] = (module.in_features, module.out_features)
+        for key in self.targets.experts:
+            name, parameter = split_expert_key(key)
+            if name not in self.experts:
+                module = model.get_submodule(name)
+                self.experts[name] = LoraExperts(module, name, self._expert_plan)
+                _replace(model, name, self.experts[name])
+            self.expert_shapes[key] = expert_shape(self.experts[name].base, parameter)
+
+    def _expert_plan(
+        self, keys: frozenset[str], tokens: int, device: torch.device
+    ) -> list[tuple[LoraWeights, torch.Tensor | None]]:
+        """The adapters on any of `keys` (an experts module's) for a pass over `tokens` tokens,
+        each with the tokens it runs ([tokens] mask; None: every token): the active adapter, or
+        while sampling each row's own (the MoE block flattens [R, T] tokens row by row)."""
+        rows = self.rows
+        if rows is None:
+            active = self.active
+            return [(active, None)] if active is not None and keys & set(active.A) else []
+        if rows.only is not None:
+            return [(rows.only, None)] if keys & set(rows.only.A) else []
+        per_row = tokens // len(rows.weights_R)
+        plan: list[tuple[LoraWeights, torch.Tensor | None]] = []
+        for weights in rows.slots:
+            if keys & set(weights.A):
+                mask_R = torch.tensor([w is weights for w in rows.weights_R], device=device)
+                plan.append((weights, mask_R.repeat_interleave(per_row)))
+        return plan
 
     def pack_for_sampling(self) -> bool:
         """Pack every wrapped linear's frozen weight for oneDNN (`cpu_linear`), which sampling
@@ -353,17 +393,19 @@ class LoraHost:
             raise ValidationError(f"LoRA rank is {rank}; it must be at least 1")
         if not spec.alpha > 0:
             raise ValidationError(f"LoRA alpha is {spec.alpha}; it must be positive")
-        chosen = set(self.targets.for_spec(spec))
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
         a: dict[str, torch.Tensor] = {}
         b: dict[str, torch.Tensor] = {}
-        for name, (in_features, out_features) in self.shapes.items():
-            if name not in chosen:
-                continue
+        for name in self.targets.for_spec(spec):  # the model's order: A drawn in it
+            if is_expert_key(name):  # one LoRA per expert, in peft's layout
+                experts, in_features, out_features = self.expert_shapes[name]
+            else:
+                (in_features, out_features), experts = self.shapes[name], 1
             bound = 1.0 / math.sqrt(in_features)
-            a_r_in = torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
+            a_r_in = torch.empty(experts * rank, in_features)
+            a_r_in.uniform_(-bound, bound, generator=generator)
             a[name] = nn.Parameter(a_r_in.to(device))
-            b[name] = nn.Parameter(torch.zeros(out_features, rank, device=device))
+            b[name] = nn.Parameter(torch.zeros(out_features, rank * experts, device=device))
         return LoraWeights(scale=spec.alpha / rank, A=a, B=b)
 
 
@@ -509,6 +551,13 @@ class TrainableLora:
             if name in adam:
                 self.optimizer.state[p] = adam[name]
         self.is_released = False
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` in `model` where `name` is."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

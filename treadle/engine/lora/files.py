@@ -3,7 +3,9 @@
 
 An adapter folder is what peft's `save_pretrained` writes for a causal LM's LoRA
 (`adapter_model.safetensors`, `adapter_config.json` whose `target_modules` are the last name
-components of the adapted linears, e.g. Phi-3's `qkv_proj` and `gate_up_proj`), plus `treadle.json` (the full `LoraSpec`,
+components of the adapted linears, e.g. Phi-3's `qkv_proj` and `gate_up_proj`, and whose
+`target_parameters` name the MoE experts' adapted 3-D parameters, e.g. `experts.gate_up_proj`),
+plus `treadle.json` (the full `LoraSpec`,
 base model and format version) and, optionally, `optimizer.safetensors` (the exact AdamW state,
 `<tensor name>.<step|exp_avg|exp_avg_sq>`). A merged folder is a plain Hugging Face model
 (config, float32 `model.safetensors`, generation config, tokenizer files) with every LoRA delta
@@ -28,7 +30,14 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from treadle.engine.lora.adapters import LoraSpec, LoraWeights
-from treadle.engine.lora.targets import Category, suffix_category
+from treadle.engine.lora.experts import expert_factors
+from treadle.engine.lora.targets import (
+    Category,
+    is_expert_key,
+    parameter_suffixes,
+    split_expert_key,
+    suffix_category,
+)
 from treadle.platform.errors import ValidationError
 
 __all__ = [
@@ -71,8 +80,8 @@ def write_adapter(
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: _cpu(t) for name, t in weights.tensors()}
     safetensors.torch.save_file(tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    targets = sorted({name.rsplit(".", 1)[-1] for name in weights.A})
-    peft_config = {
+    targets = sorted({n.rsplit(".", 1)[-1] for n in weights.A if not is_expert_key(n)})
+    peft_config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
@@ -93,6 +102,8 @@ def write_adapter(
         "alpha_pattern": {},
         "revision": None,
     }
+    if parameters := parameter_suffixes(weights.A):
+        peft_config["target_parameters"] = list(parameters)
     _write_json(folder / ADAPTER_CONFIG, peft_config)
     _write_json(
         folder / TREADLE_CONFIG,
@@ -152,7 +163,7 @@ def write_merged(
     folder: Path, model: PreTrainedModel, weights: LoraWeights, tokenizer_files: Mapping[str, bytes]
 ) -> None:
     """Fold `weights` into `model` (a bare float32 CPU base model, changed in place: W += scale *
-    B @ A) and save it with `tokenizer_files` into `folder` as a Hugging Face model. If the
+    B @ A, for each expert of an experts module's 3-D parameter) and save it with `tokenizer_files` into `folder` as a Hugging Face model. If the
     unembedding gets a delta but is tied to the embedding, it is untied first, so the embedding
     keeps its base weights."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -166,6 +177,9 @@ def write_merged(
             head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
             model.config.tie_word_embeddings = False
         for module, a_r_in in weights.A.items():
+            if is_expert_key(module):
+                _merge_experts(model, module, weights)
+                continue
             linear = model.get_submodule(module)
             assert isinstance(linear, nn.Linear)
             delta = (weights.B[module].double().cpu() @ a_r_in.double().cpu()) * weights.scale
@@ -176,6 +190,20 @@ def write_merged(
 
 
 # -- internals -----------------------------------------------------------------------------------
+
+
+def _merge_experts(model: nn.Module, key: str, weights: LoraWeights) -> None:
+    """W[e] += scale * B_e @ A_e for every expert e of the 3-D parameter `key` names."""
+    name, parameter = split_expert_key(key)
+    experts = model.get_submodule(name)
+    stack = getattr(experts, parameter)
+    a_E_r_in, b_E_out_r = expert_factors(
+        weights.A[key].double().cpu(), weights.B[key].double().cpu(), stack.shape[0]
+    )
+    delta_E_out_in = torch.bmm(b_E_out_r, a_E_r_in) * weights.scale
+    if experts.is_transposed:  # stored [experts, in, out]
+        delta_E_out_in = delta_E_out_in.transpose(1, 2)
+    stack.copy_((stack.double() + delta_E_out_in).float())
 
 
 def _treadle_spec(config: Mapping[str, Any]) -> tuple[LoraSpec, str | None]:
@@ -217,15 +245,35 @@ def _peft_spec(config: Mapping[str, Any]) -> tuple[LoraSpec, str | None]:
             problems.append(f"{key} is set; per-layer settings are not supported")
     # Which parts the suffixes name; that they cover each part whole (q_proj without k_proj, say)
     # is checked when the tensors are loaded into an adapter built for the model.
+    # MoE experts' 3-D parameters (peft's `target_parameters`, e.g. `experts.gate_up_proj`) are
+    # MLP targets, by their last name component.
     targets = config.get("target_modules")
     targets = [targets] if isinstance(targets, str) else targets
+    parameters = config.get("target_parameters") or []
     categories: set[Category | None] = set()
-    if isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        categories = {suffix_category(t) for t in targets}
+    if not isinstance(parameters, list) or not all(isinstance(p, str) for p in parameters):
+        problems.append(f"target_parameters is {parameters!r}; it must be a list of names")
+        parameters = []
+    if targets is None and parameters:
+        targets = []
+    if (
+        isinstance(targets, list)
+        and (targets or parameters)
+        and all(isinstance(t, str) for t in targets)
+    ):
+        suffixes = [*targets, *(p.rsplit(".", 1)[-1] for p in parameters)]
+        categories = {suffix_category(t) for t in suffixes}
         if strangers := sorted(t for t in targets if suffix_category(t) is None):
             problems.append(
                 f"target_modules names {strangers}, which are no attention, MLP or unembedding "
                 "linear Treadle knows"
+            )
+        if strangers := sorted(
+            p for p in parameters if suffix_category(p.rsplit(".")[-1]) != "mlp"
+        ):
+            problems.append(
+                f"target_parameters names {strangers}, which are no MoE expert parameter "
+                "Treadle knows (gate_up_proj, up_proj, down_proj)"
             )
     else:
         problems.append(

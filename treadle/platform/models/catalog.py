@@ -49,7 +49,7 @@ class BaseModelInfo:
     the model whose tokenizer this one uses: SmolLM2's for the built-ins, its own for a
     registered model. `lora_targets` are the categories of modules a session may adapt
     (`train_attn`, `train_mlp`, `train_unembed`); `moe_experts` says the MLP's experts are
-    stored as 3-D parameters, which LoRA cannot adapt (so `mlp` is never a target then).
+    stored as 3-D parameters (`mlp` then adapts each expert, as peft's `target_parameters`).
     """
 
     name: str
@@ -99,13 +99,10 @@ class BaseModelInfo:
         if not refused:
             return
         flags = ", ".join(f"train_{c}=False" for c in refused)
-        why = (
-            f"{self.architecture} keeps its MLP experts as 3-D parameters, which Treadle cannot "
-            "adapt with LoRA yet"
-            if self.moe_experts and "mlp" in refused
-            else f"the operator's LoRA policy for {self.name} adapts only {list(self.lora_targets)}"
+        raise ValidationError(
+            f"the operator's LoRA policy for {self.name} adapts only {list(self.lora_targets)}; "
+            f"create the session with {flags}"
         )
-        raise ValidationError(f"{why}; create the session with {flags}")
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON (what the registry stores and the routes answer)."""

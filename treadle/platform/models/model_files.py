@@ -81,7 +81,7 @@ def inspect_folder(
     vocab_size = _positive_int(text, "vocab_size")
     context = _positive_int(text, "max_position_embeddings")
     parameters, size_bytes, shapes = _weights(folder)
-    _targets(options.lora_targets, False)  # the policy is valid before structure reads it
+    _targets(options.lora_targets)  # the policy is valid before structure reads it
     structure = check_structure(architecture, config, shapes, options.lora_targets)
     tokenizer_vocab = _tokenizer_vocab_size(folder)
     if tokenizer_vocab > vocab_size:
@@ -98,7 +98,7 @@ def inspect_folder(
     eos = generation.get("eos_token_id", config.get("eos_token_id"))
     eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None)
     moe = structure.moe_experts
-    targets = _targets(options.lora_targets, moe)
+    targets = _targets(options.lora_targets)
     dtype, max_rank = _dtype(options), _rank(options)
     context = _context(options, context, "config.json's max_position_embeddings")
     sliding = text.get("sliding_window")
@@ -183,7 +183,7 @@ def inspect_gguf(name: str, folder: Path, gguf_file: str, options: Options) -> B
         model_type=arch,
         dtype=_dtype(options),
         max_lora_rank=_rank(options),
-        lora_targets=_targets(options.lora_targets, False),
+        lora_targets=_targets(options.lora_targets),
         eos_token_ids=() if eos is None else (int(eos),),
         parameters=parameters,
         size_bytes=4 * parameters,  # dequantised to float32 once, as the workers hold it
@@ -374,14 +374,12 @@ def _sentencepiece_size(folder: Path) -> int:
     return max([size - 1, *(int(i) for i in added.values())]) + 1
 
 
-def _targets(requested: tuple[str, ...], moe: bool) -> tuple[str, ...]:
+def _targets(requested: tuple[str, ...]) -> tuple[str, ...]:
     unknown = [t for t in requested if t not in LORA_CATEGORIES]
     if unknown or not requested:
         raise ValidationError(
             f"lora_targets {list(requested)} must be a non-empty subset of {list(LORA_CATEGORIES)}"
         )
-    if moe:  # experts as 3-D parameters: sessions asking for train_mlp are refused
-        requested = tuple(t for t in requested if t != "mlp")
     return tuple(t for t in LORA_CATEGORIES if t in requested)
 
 
