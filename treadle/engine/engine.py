@@ -154,9 +154,11 @@ class Engine:
     # -- models and adapters ------------------------------------------------------------------
 
     def has_base(self, base_model: str) -> bool:
-        """Whether `base_model` is loaded here."""
-        with self._lock:
-            return base_model in self._bases
+        """Whether `base_model` is loaded here, without waiting for the running call: the
+        worker's heartbeat asks it (`worker/lease_keeper.py`), and a heartbeat held up for the
+        length of a long sample let another worker take this one's sessions. A dict's
+        membership test is atomic; a base being loaded counts once it is."""
+        return base_model in self._bases
 
     def load_base(self, base_model: str) -> None:
         """Load `base_model` now if it is not (a group whose layout shards it loads it on every

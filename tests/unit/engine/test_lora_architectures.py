@@ -232,7 +232,8 @@ def test_every_suffix_belongs_to_one_category() -> None:
 
 @pytest.mark.parametrize(
     ("arch", "flags"),
-    [(a, (True, True, True)) for a in ARCHITECTURES] + [(a, (False, True, False)) for a in sorted(MOE)],
+    [(a, (True, True, True)) for a in ARCHITECTURES]
+    + [(a, (False, True, False)) for a in sorted(MOE)],
     ids=lambda x: x if isinstance(x, str) else "-".join("amu"[i] for i in range(3) if x[i]),
 )
 def test_loss_and_lora_grads_equal_peft(arch: str, flags: tuple[bool, bool, bool]) -> None:
@@ -361,7 +362,8 @@ def test_a_plain_peft_export_reads_back(
 
 @pytest.mark.parametrize(
     ("arch", "flags"),
-    [(a, (True, True, True)) for a in ARCHITECTURES] + [(a, (False, True, False)) for a in sorted(MOE)],
+    [(a, (True, True, True)) for a in ARCHITECTURES]
+    + [(a, (False, True, False)) for a in sorted(MOE)],
     ids=lambda x: x if isinstance(x, str) else "-".join("amu"[i] for i in range(3) if x[i]),
 )
 def test_an_adapter_peft_saves_loads_into_treadle(
