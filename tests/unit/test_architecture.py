@@ -224,6 +224,7 @@ ENGINE_PLATFORM = {
     "treadle.platform.config",
     "treadle.platform.models.catalog",
     "treadle.platform.models.lora_names",  # the LoRA target rules registration applies too
+    "treadle.platform.models.structure",  # the layer types registration admits, the sampler's
     "treadle.platform.models.losses",
     "treadle.platform.models.tokenizers",
     "treadle.platform.models.validation",

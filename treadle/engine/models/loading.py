@@ -98,7 +98,7 @@ def load_deferred(
         folder = model_dir(info, cache_dir)
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     attention = determinism.attention_implementation(_model_class(config))
-    model, files = build_deferred(folder, dtype, attention)
+    model, files = build_deferred(folder, dtype, attention, config)
     return model, tokenizer, files
 
 

@@ -21,7 +21,7 @@ import torch
 from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 __all__ = ["WeightFiles", "build_deferred"]
 
@@ -73,14 +73,18 @@ class WeightFiles:
 
 
 def build_deferred(
-    folder: Path, dtype: torch.dtype, attention: str | None = None
+    folder: Path,
+    dtype: torch.dtype,
+    attention: str | None = None,
+    config: PretrainedConfig | None = None,
 ) -> tuple[PreTrainedModel, WeightFiles | None]:
     """The causal LM saved in `folder`, frozen and in eval mode, with `attention` as its
     attention implementation (None: transformers' default), its parameters on the meta device (its buffers real, in `dtype`),
     and where its weights are; or the model loaded whole (`from_pretrained`) and None where the
     files' tensor names are not the model's."""
     files = _tensor_files(folder) or {}
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    if config is None:  # else the caller read it already
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     model.tie_weights()  # as `from_pretrained` does once it has loaded

@@ -45,6 +45,7 @@ from treadle.engine.sampling.rules import (
     stop_rules,
 )
 from treadle.platform.errors import ValidationError
+from treadle.platform.models.structure import CACHED_LAYER_TYPES
 
 __all__ = ["DecodeBatch", "SampleJob", "SampleRequest", "generate_batch"]
 
@@ -57,7 +58,8 @@ __all__ = ["DecodeBatch", "SampleJob", "SampleRequest", "generate_batch"]
 # attention work), the price of one column layout for every layer. transformers'
 # `DynamicSlidingWindowLayer` drops old columns and counts the ones it has seen, which cropping
 # and merging rows (`_Rows`) would have to keep consistent with the attention mask.
-_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# The one list, which registration also checks (`platform/models/structure.py`).
+_LAYER_TYPES = CACHED_LAYER_TYPES
 
 
 @dataclass(frozen=True)
