@@ -1,6 +1,7 @@
 """How much of a base model each rank of a sharded worker group holds after a forward, after a
-training step and after a sample: its shard of every decoder layer, the layers FSDP still holds
-gathered, and what stays whole (embeddings, final norm, output head), against the whole model;
+training step and after a sample, and at each one's peak: its shard of every decoder layer and
+its rows of the embeddings and head, the layers FSDP holds gathered, the vocabulary's weights
+gathered for a lookup or the head, and the final norm, against the whole model;
 and each rank's host memory while it loads the model, sampled every 2 ms above what it held
 before: its own (resident anonymous) memory, and the pages of the model's file it maps (the page
 cache: the kernel's, shared by every rank that maps the file, and reclaimable).
@@ -11,7 +12,10 @@ prepared first (SmolLM2's GGUF converted into the cache), so the ranks measure l
 `--whole` loads as the engine did before `engine/models/weight_files.py`: the whole model into
 each rank's host memory, then sharded.
 
-    python benchmarks/sharded_residency.py [--model NAME] [--whole]
+`--untied` runs the model with its output head untied (a copy of the embedding), as models big
+enough to shard keep it: a tied weight stays whole on every rank (`distributed.vocabulary`).
+
+    python benchmarks/sharded_residency.py [--model NAME] [--whole] [--untied]
 """
 
 from __future__ import annotations
@@ -85,12 +89,16 @@ def load_whole_as_before() -> None:
     engine_module.load_deferred = whole  # type: ignore[attr-defined]
 
 
-def resident(engine: Any, model_name: str) -> dict[str, float]:
-    """This rank's bytes of the base model: layers' shards, layers held gathered, the rest."""
-    model = engine._bases[model_name].model
+def resident(engine: Any, model_name: str, transient: int = 0) -> dict[str, float]:
+    """This rank's bytes of the base model: layers' shards, layers held gathered, the rest
+    (its rows of the embeddings and head, the final norm), plus `transient` bytes gathered
+    outside FSDP (the vocabulary's), against the whole model's."""
+    base = engine._bases[model_name]
+    model = base.model
     layers = model.get_decoder().layers
     in_layers = {id(p) for p in layers.parameters()}
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = next(model.parameters()).element_size()
+    whole = base.parameters * size  # counted before sharding
     rest = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_layers)
     shards = gathered = 0
     for layer in layers:
@@ -99,11 +107,91 @@ def resident(engine: Any, model_name: str) -> dict[str, float]:
             shards += param.to_local().numel() * param.element_size()
             if group.is_unsharded:  # the whole layer is held gathered too
                 gathered += param.numel() * param.element_size()
-    held = rest + shards + gathered
+    held = rest + shards + gathered + transient
     return {"whole_mib": whole / MIB, "held_mib": held / MIB, "fraction": held / whole}
 
 
-def rank_main(model_name: str, cache_dir: Path, out: Path, whole: bool) -> None:
+class PeakHeld:
+    """The most of the base model this rank holds while the block runs: `resident` at every
+    moment it grows, i.e. each time FSDP has gathered a layer and each time the vocabulary's
+    weights are gathered (`distributed.vocabulary`: the whole head, or a piece of a lookup)."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.peak: dict[str, float] | None = None
+
+    def note(self, transient: int = 0) -> None:
+        now = resident(self.engine, self.model_name, transient)
+        if self.peak is None or now["held_mib"] > self.peak["held_mib"]:
+            self.peak = now
+
+    def __enter__(self) -> PeakHeld:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        from treadle.engine.distributed.vocabulary import VocabRows
+
+        self._patched = [
+            (FSDPParamGroup, "wait_for_unshard", FSDPParamGroup.wait_for_unshard),
+            (VocabRows, "whole", VocabRows.whole),
+            (VocabRows, "row_pieces", VocabRows.row_pieces),
+        ]
+        wait, whole, pieces = (original for _, _, original in self._patched)
+        peak = self
+
+        def waited(group: Any, *args: Any, **kwargs: Any) -> Any:
+            out = wait(group, *args, **kwargs)
+            peak.note()
+            return out
+
+        def gathered_whole(rows: Any) -> Any:
+            weight = whole(rows)
+            peak.note(weight.numel() * weight.element_size())
+            return weight
+
+        def gathered_pieces(rows: Any) -> Any:
+            for piece, blocks in pieces(rows):
+                peak.note(piece.numel() * piece.element_size())
+                yield piece, blocks
+
+        FSDPParamGroup.wait_for_unshard = waited  # type: ignore[method-assign]
+        VocabRows.whole = gathered_whole  # type: ignore[method-assign]
+        VocabRows.row_pieces = gathered_pieces  # type: ignore[method-assign]
+        self.note()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in self._patched:
+            setattr(owner, name, original)
+
+
+UNTIED_NAME = "benchmark/untied"
+
+
+def write_untied(folder: Path, into: Path, tokenizer_files: dict[str, bytes]) -> None:
+    """The model in `folder` with its output head untied (a copy of the embedding as
+    `lm_head.weight`, as models big enough to shard keep it: Llama 3.1 8B, Qwen3 8B) and its
+    tokenizer, a folder to register."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    into.mkdir(parents=True, exist_ok=True)
+    for name, data in tokenizer_files.items():
+        (into / name).write_bytes(data)
+    for item in folder.iterdir():
+        if item.name not in ("config.json", "model.safetensors"):
+            shutil.copy(item, into / item.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (into / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, into / "model.safetensors", metadata={"format": "pt"})
+
+
+def rank_main(
+    model_name: str, cache_dir: Path, out: Path, whole: bool, untied: Path | None
+) -> None:
     import numpy as np
 
     from treadle.engine import (
@@ -118,15 +206,22 @@ def rank_main(model_name: str, cache_dir: Path, out: Path, whole: bool) -> None:
     from treadle.engine.distributed import group as worker_group
 
     group = worker_group.init_from_env(timeout_seconds=600, device="cpu", layout="sharded")
-    engine = Engine(cache_dir=cache_dir, device="cpu", parallel=group)
+    models: dict[str, Any] = {}
+    if untied is not None:
+        from treadle.platform.models import model_files
+
+        model_name = UNTIED_NAME
+        models["models"] = {
+            UNTIED_NAME: model_files.inspect_folder(UNTIED_NAME, untied, model_files.Options())
+        }.__getitem__
+    engine = Engine(cache_dir=cache_dir, device="cpu", parallel=group, **models)
     if whole:
         load_whole_as_before()
     engine.tokenizer(model_name)  # not part of loading the weights
     with PeakRss() as rss:  # every rank at once: sharding is a collective
         engine.load_base(model_name)
-    whole_bytes = sum(
-        p.numel() * p.element_size() for p in engine._bases[model_name].model.parameters()
-    )
+    base = engine._bases[model_name]
+    whole_bytes = base.parameters * next(base.model.parameters()).element_size()
     loading = {
         "whole_mib": whole_bytes / MIB,
         "anon_peak_mib": (rss.peak[0] - rss.before[0]) / MIB,
@@ -152,14 +247,20 @@ def rank_main(model_name: str, cache_dir: Path, out: Path, whole: bool) -> None:
         ]
         result: dict[str, Any] = {"loading rank 0": loading}
         result["loaded"] = resident(engine, model_name)
-        leader.forward_backward("a", data, "cross_entropy", forward_only=True)
+        with PeakHeld(engine, model_name) as peak:
+            leader.forward_backward("a", data, "cross_entropy", forward_only=True)
         result["after a forward"] = resident(engine, model_name)
-        leader.forward_backward("a", data, "cross_entropy")
+        result["forward, at its peak"] = peak.peak
+        with PeakHeld(engine, model_name) as peak:
+            leader.forward_backward("a", data, "cross_entropy")
         result["after a training step"] = resident(engine, model_name)
+        result["training, at its peak"] = peak.peak
         leader.snapshot("a", "s")
         request = SampleRequest(model_name, "s", (5, 6, 7), 2, SamplingSpec(max_tokens=8, seed=1))
-        leader.sample_batch([request])
+        with PeakHeld(engine, model_name) as peak:
+            leader.sample_batch([request])
         result["after a sample"] = resident(engine, model_name)
+        result["sampling, at its peak"] = peak.peak
     finally:
         leader.close()
     out.write_text(json.dumps(result))
@@ -173,20 +274,33 @@ def main() -> int:
     parser.add_argument("--model", default=SMOLLM2_NAME)
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--whole", action="store_true", help="load as before: whole, then shard")
+    parser.add_argument(
+        "--untied", action="store_true", help="the model with its head untied (a copy)"
+    )
+    parser.add_argument("--untied-folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cache_dir = args.cache_dir or Path(tmp)
         if args.rank_mode:
-            rank_main(args.model, cache_dir, args.out, args.whole)
+            rank_main(args.model, cache_dir, args.out, args.whole, args.untied_folder)
             return 0
         from treadle.engine.models.loading import model_dir
         from treadle.platform.models.catalog import get_base_model
 
         info = get_base_model(args.model)
+        extra = ["--whole"] if args.whole else []
         if info.kind == "gguf":
-            model_dir(info, cache_dir)  # converted once, before the ranks measure loading
+            folder = model_dir(info, cache_dir)  # converted once, before the ranks measure loading
+            if args.untied:
+                from treadle.platform.models.tokenizers import tokenizer_files
+
+                untied = Path(tmp) / "untied"
+                write_untied(folder, untied, tokenizer_files(info, cache_dir))
+                extra += ["--untied-folder", str(Path(tmp) / "untied")]
+        elif args.untied:
+            raise SystemExit("--untied needs a model converted from GGUF (SmolLM2)")
         out, port = Path(tmp) / "out.json", str(free_port())
         procs = [
             subprocess.Popen(
@@ -200,7 +314,7 @@ def main() -> int:
                     str(cache_dir),
                     "--out",
                     str(out),
-                    *(["--whole"] if args.whole else []),
+                    *extra,
                 ],
                 env={
                     **os.environ,

@@ -4,7 +4,8 @@ environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; GROUP_LOOP_LAYOUT repli
 sharded; GROUP_LOOP_MODEL_FOLDER, a registrable model folder to run on instead of the built-in
 tiny model: a sharded group then reads it from its files a layer at a time, where they allow,
 `engine/models/weight_files.py`): rank 0 drives the loop through a `GroupExecutor` and writes
-the result as JSON (with, sharded, the shape of the mesh a layer is sharded on), the others
+the result as JSON (with, sharded, the shape of the mesh a layer is sharded on and rank 0's rows
+of the embeddings and head), the others
 follow.
 
     python -m tests.unit.group_loop CACHE_DIR OUT.json [save|load FOLDER]
@@ -214,6 +215,12 @@ def main() -> None:
                 base = engine._bases[TINY_DEBUG_NAME if model is None else model.name]
                 layer = base.model.get_decoder().layers[0]
                 result["mesh"] = list(next(layer.parameters()).device_mesh.shape)
+                # and its rows of the embeddings and head (`distributed.vocabulary`), if untied
+                held = base.model.get_input_embeddings(), base.model.get_output_embeddings()
+                result["vocabulary_rows"] = [
+                    int(m.rows.shape[0]) if hasattr(m, "vocab_rows") else None
+                    for m in (held[0], getattr(held[1], "base", held[1]))
+                ]
         finally:
             leader.close()
         out.write_text(json.dumps(result))

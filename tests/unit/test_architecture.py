@@ -241,7 +241,8 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "protocol": {"gradients", "lora", "losses", "optim", "sampling"},  # interfaces, value types
     "footprint": {"models", "memory", "lora", "losses"},  # a base model's memory, for admission
     # a Parallelism: ranks, collectives, sharding (handing a loaded layer's pages back: memory)
-    "distributed.group": {"protocol", "gradients", "memory"},
+    "distributed.vocabulary": {"models", "protocol"},  # embeddings and head split by rows
+    "distributed.group": {"protocol", "gradients", "memory", "distributed.vocabulary"},
     "training": _BELOW_PROTOCOL | {"protocol"},  # spread by a Parallelism, never the group
     "engine": _BELOW_PROTOCOL | {"protocol", "training"},
     "distributed.decoding": {"sampling", "distributed.group"},

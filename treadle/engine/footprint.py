@@ -4,8 +4,9 @@ docs/operations.md, "Admission").
 
 Owns `Footprint` and `model_footprint(info, ...)`: the model is built on the meta device from
 its config (no weights read), its LoRA targets resolved with `lora.targets.resolve` (the
-engine's own rules), and from those modules: weight bytes per device (the parameters over the
-group's shards, plus oneDNN's packed copy of the adapted linears where a CPU worker packs them),
+engine's own rules), and from those modules: weight bytes per device (all the parameters, or a
+sharded group's rank's share at its peak, plus oneDNN's packed copy of the adapted linears where
+a CPU worker packs them),
 LoRA parameters per rank per category (the sum of in + out features of each category's
 linears), one training pass's activations and logits at the worker's pass token budget, the
 sampler's KV budget, and the host memory loading the model takes. The worker hands
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from treadle.engine.lora.targets import is_expert_key, resolve, split_expert_key
 from treadle.engine.losses import passes
@@ -31,6 +32,7 @@ from treadle.engine.losses.chunked_logprobs import (
 )
 from treadle.engine.models import cpu_linear
 from treadle.engine.models.loading import tiny_debug_config
+from treadle.engine.models.vocab_split import split_by_rows
 from treadle.platform.models.catalog import BaseModelInfo, gguf_path
 from treadle.platform.models.tokenizers import safe_name
 
@@ -90,7 +92,8 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
         lora_per_rank[category] = sum(_lora_per_rank(model, n) for n in getattr(targets, category))
     element = torch.empty((), dtype=settings.dtype).element_size()
     parameters = info.parameters or sum(p.numel() for p in model.parameters())
-    weight_bytes = parameters * element // max(1, settings.shards)
+    held, total = _held(model, settings.shards)
+    weight_bytes = parameters * element * held // total
     if _packs(settings):  # LoraHost.pack_for_sampling: the adapted linears' weights again
         weight_bytes += sum(model.get_submodule(n).weight.numel() for n in targets.linears) * 4
     text = config.get_text_config()
@@ -120,10 +123,13 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
         read = parameters
         layers_list = getattr(model.get_decoder(), "layers", None)
         if settings.shards > 1 and isinstance(layers_list, torch.nn.ModuleList):
-            # a layer at a time (models/weight_files.py): the rest whole, one layer beside it
-            # (an estimate: a checkpoint transformers converts while loading is read whole)
+            # a layer at a time (models/weight_files.py), one layer beside the rest: the final
+            # norm and a tied embedding whole, this rank's rows of the others (an estimate: a
+            # checkpoint transformers converts while loading is read whole)
             per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers_list]
-            read = parameters - sum(per_layer) + max(per_layer, default=0)
+            split = _split_parameters(model)
+            read = parameters - sum(per_layer) - split + split // settings.shards
+            read += max(per_layer, default=0)
         load_host = read * element * settings.ranks_on_host
     return Footprint(
         weight_bytes=weight_bytes,
@@ -134,6 +140,30 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
         kv_bytes=kv_per_token * settings.sampler_kv_tokens,
         load_host_bytes=load_host,
     )
+
+
+def _held(model: PreTrainedModel, shards: int) -> tuple[int, int]:
+    """The parameters of `model` a rank holds at its peak, and all of them: all alone; in a
+    sharded group (`distributed.group.shard_layers`), its shard of every decoder layer and its
+    rows of the embeddings and head that `split_by_rows` names, the rest whole (the final norm,
+    a tied embedding), and beside them what it gathers at once: the whole output head
+    (`distributed.vocabulary`) or two layers (the one running and the next, which FSDP gathers
+    ahead in the backward), whichever is more."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    total = sum(p.numel() for p in model.parameters())  # a tied weight once
+    if shards <= 1 or not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        return total, total  # a model without a layers list runs whole on every rank
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    split = _split_parameters(model)
+    _, head = split_by_rows(model)
+    gathered = max(2 * max(per_layer), 0 if head is None else head.weight.numel())
+    held = -(-sum(per_layer) // shards) + -(-split // shards) + total - sum(per_layer) - split
+    return held + gathered, total
+
+
+def _split_parameters(model: PreTrainedModel) -> int:
+    """Parameters of the embeddings and head a sharded group splits by vocabulary rows."""
+    return sum(m.weight.numel() for m in split_by_rows(model) if m is not None)
 
 
 def _lora_per_rank(model: torch.nn.Module, name: str) -> int:

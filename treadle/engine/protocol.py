@@ -136,6 +136,10 @@ class WeightSource(Protocol):
         """Give every meta parameter under `module` its values, in host memory."""
         ...
 
+    def rows(self, param: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of the meta parameter `param`, in host memory."""
+        ...
+
 
 class Parallelism(Protocol):
     """How an engine's compute is spread: which passes of a forward_backward run here, how the

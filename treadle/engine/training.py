@@ -84,6 +84,8 @@ def forward_backward(
         # one choice for every pass of every rank: a checkpointed layer gathers its weights
         # again in the backward, and the ranks' gathers must pair up
         checkpoint = not forward_only and wants_checkpointing(base.model, max(tokens_P))
+    # and one plan for the output layer's chunks, a collective too (`distributed.vocabulary`)
+    plan = max(tokens_P, default=0) if parallel.sharded else None
     params = lora.weights.parameters()
     parts: dict[int, Part] = {}
     sums: dict[int, PairwiseSum] = {}  # per unit: its parts' gradients, never one per part
@@ -94,7 +96,9 @@ def forward_backward(
             # per part, so a part runs on the same threads wherever it runs
             work = tokens_P[p] * base.parameters * (1 if forward_only else 3)
             with threads_for(work, device):
-                part, grads = _part(base, chunks[p], loss, config, params, forward_only, checkpoint)
+                part, grads = _part(
+                    base, chunks[p], loss, config, params, forward_only, checkpoint, plan
+                )
             if kept:  # else a sharded group's extra pass, run so the ranks' match
                 parts[p] = part
                 if grads is not None:
@@ -130,10 +134,13 @@ def _part(
     params: list[torch.Tensor],
     forward_only: bool,
     checkpoint: bool | None,
+    plan_tokens: int | None,
 ) -> tuple[Part, list[torch.Tensor | None] | None]:
     """One part of a forward_backward with the active adapter: its outputs and summed loss,
     and (unless `forward_only`) its own gradient, not yet added to anything."""
-    outputs, part_loss = batch_loss(base.model, arrays, loss, config, checkpoint_layers=checkpoint)
+    outputs, part_loss = batch_loss(
+        base.model, arrays, loss, config, checkpoint_layers=checkpoint, plan_tokens=plan_tokens
+    )
     grads: list[torch.Tensor | None] | None = None
     if not forward_only:  # allow_unused: a parameter no path reaches gets None
         grads = list(torch.autograd.grad(part_loss, params, allow_unused=True))

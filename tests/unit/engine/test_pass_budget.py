@@ -21,14 +21,17 @@ GIB = 2**30
 STEP_DATA = [ce_datum([1, 7, 3, 9, 4]), ce_datum([2, 8, 5])]
 
 
-def _grads_after_steps(engine: Engine, pass_tokens: int | None) -> list[torch.Tensor]:
-    """Three forward_backward + optim_step rounds, then one more forward_backward: the
+def _grads_after_steps(
+    engine: Engine, pass_tokens: int | None, steps: int = 3
+) -> list[torch.Tensor]:
+    """`steps` forward_backward + optim_step rounds, then one more forward_backward: the
     accumulated grads (and through the steps, the weights) it leaves."""
     adapter = new_adapter(engine)
-    for _ in range(3):
+    out = None
+    for _ in range(steps):
         out = engine.forward_backward(adapter, STEP_DATA, "cross_entropy", pass_tokens=pass_tokens)
         engine.optim_step(adapter, ADAM)
-    assert out.pass_tokens == (pass_tokens or engine.pass_budget(adapter))
+    assert out is None or out.pass_tokens == (pass_tokens or engine.pass_budget(adapter))
     engine.forward_backward(adapter, STEP_DATA, "cross_entropy", pass_tokens=pass_tokens)
     grads = [torch.from_numpy(g) for g in engine.adapter_grads(adapter).values()]
     grads += [torch.from_numpy(w) for w in engine.adapter_weights(adapter).values()]
@@ -64,7 +67,14 @@ def test_the_same_budget_gives_the_same_bits_and_another_budget_other_bits(
     assert all(torch.equal(a, b) for a, b in zip(default, again, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(small, small_again, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(default, small, strict=True))
-    for a, b in zip(default, small, strict=True):  # the same up to float rounding
+    # The same up to float rounding: one forward_backward's grads (after optimizer steps, Adam
+    # divides each grad by its own running size, so a near-zero one's rounding can move its
+    # weight by up to the learning rate: seen past 1e-4 relative on one machine, not another).
+    for a, b in zip(
+        _grads_after_steps(engine, None, steps=0),
+        _grads_after_steps(engine, 4, steps=0),
+        strict=True,
+    ):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 

@@ -126,14 +126,18 @@ def test_a_group_on_two_hosts_shards_within_each_and_equals_one_process_bit_for_
     cache_dir: Path, tmp_path: Path
 ) -> None:
     """Hybrid sharding: four ranks as two hosts of two (torchrun's LOCAL_WORLD_SIZE), each
-    host's ranks sharding a whole copy of every decoder layer between them."""
-    alone = one_process(cache_dir)
+    host's ranks sharding a whole copy of every decoder layer, and of the (untied) embeddings
+    and head by vocabulary rows, between them."""
+    folder = tiny_models.model_folder("llama3", tmp_path / "model")
+    alone = one_process(cache_dir, folder)
     out = tmp_path / "out.json"
-    env = {"GROUP_LOOP_LAYOUT": "sharded"}
+    env = {"GROUP_LOOP_LAYOUT": "sharded", "GROUP_LOOP_MODEL_FOLDER": str(folder)}
     codes, logs = run_ranks(cache_dir, out, env=env, world_size=4, node_size=2)
     assert codes == [0] * 4, logs[-6000:]
     grouped = json.loads(out.read_text())
     assert grouped["mesh"] == [2, 2]  # two hosts, each layer split between a host's two ranks
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    assert grouped["vocabulary_rows"] == [-(-vocab // 2)] * 2  # half of each, within a host
     for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
         assert a["state"] == b["state"], f"step {step}"
         assert a["logprobs"] == b["logprobs"] and a["losses"] == b["losses"], f"step {step}"
@@ -155,6 +159,8 @@ def test_a_sharded_group_reading_its_model_a_layer_at_a_time_equals_one_process(
     alone = one_process(cache_dir, folder)
     grouped = group_of_two(cache_dir, tmp_path / "out.json", layout="sharded", model_folder=folder)
     assert grouped["mesh"] == [2]
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    assert grouped["vocabulary_rows"] == [-(-vocab // 2)] * 2  # its rows alone, read alone
     for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
         assert a["state"] == b["state"], f"step {step}"
         assert a["logprobs"] == b["logprobs"] and a["losses"] == b["losses"], f"step {step}"

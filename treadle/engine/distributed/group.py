@@ -18,9 +18,9 @@ are the same bit for bit at every world size.
 
 Layouts: `replicated` (every rank holds the whole base model) or `sharded` (`shard_layers`: each
 decoder layer's frozen weights split across the ranks with FSDP2's `fully_shard` over a
-`DeviceMesh`, read a layer at a time, gathered layer by layer for each pass; the embeddings,
-final norm and output head stay whole on every rank; a group on several hosts shards within
-each host, hybrid). A sharded forward pass is a collective: every rank runs as many
+`DeviceMesh`, read a layer at a time, gathered layer by layer for each pass; the embeddings and
+output head split by vocabulary rows (`vocabulary`), gathered a piece at a time; the final norm
+whole on every rank; a group on several hosts shards within each host, hybrid). A sharded forward pass is a collective: every rank runs as many
 passes as the others (`Group.passes`), and samples are decoded on every rank in lockstep.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from treadle.engine.distributed.vocabulary import shard_vocabulary
 from treadle.engine.gradients import combine, units_of
 from treadle.engine.memory.heap import release_excess
 from treadle.engine.protocol import Part, Topology, WeightSource
@@ -255,9 +256,9 @@ def shard_layers(
     FSDP2's `fully_shard` on a one-dimensional `DeviceMesh`, the backbone their root (on a group
     spanning several hosts, a two-dimensional one: hybrid sharding, each host's ranks sharding
     a whole copy among themselves, so a layer's gather never leaves the host); each pass
-    gathers a layer's weights just before it runs and frees them after. The rest of the model
-    (embeddings, final norm, output head: what the chunked logprobs call outside the model's
-    forward) stays whole.
+    gathers a layer's weights just before it runs and frees them after. The embeddings and
+    output head are split by vocabulary rows (`vocabulary.shard_vocabulary`), the final norm
+    stays whole.
     `model` may be in host memory, or have its parameters on the meta device with `files` to
     read them from: each layer is read whole into host memory just before FSDP shards it (so a
     rank holds at most one whole layer beyond its shards while loading), FSDP moves its shard to
@@ -286,13 +287,18 @@ def shard_layers(
             files.materialize(layer)
         fully_shard(layer, mesh=mesh)  # keeps a copy of this rank's shard; the layer read goes
         release_excess(keep=0)  # its pages too, or the C heap keeps them
+    # The embeddings and output head by vocabulary rows (this rank's read alone), gathered a
+    # piece at a time when used (`vocabulary`); on a hybrid group, within each host.
+    shard_group = mesh.get_group("shard") if group.hosts > 1 else mesh.get_group()
+    shard_vocabulary(model, shard_group, files)
     if files is not None:
-        files.materialize(model)  # the rest, whole on every rank
+        files.materialize(model)  # the rest (the final norm, an embedding kept whole)
     in_layers = {id(t) for t in itertools.chain(layers.parameters(), layers.buffers())}
-    # The backbone is the root (sharding nothing of its own: its embeddings and final norm stay
-    # whole), so that each layer is not one: FSDP keeps a root's weights gathered after its
-    # forward (its backward would gather them at once), and with every layer its own root a
-    # forward or a sample left the whole model gathered on every rank.
+    # The backbone is the root (sharding nothing of its own: its final norm stays whole and
+    # its embeddings are sharded by `vocabulary`), so that each layer is not one: FSDP keeps a
+    # root's weights gathered after its forward (its backward would gather them at once), and
+    # with every layer its own root a forward or a sample left the whole model gathered on
+    # every rank.
     rest = {p for p in decoder.parameters() if id(p) not in in_layers}
     fully_shard(decoder, mesh=mesh, ignored_params=rest)
     _to_device(model, device, skip=in_layers)

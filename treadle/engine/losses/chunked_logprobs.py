@@ -120,12 +120,15 @@ def target_logprobs(
     targets_B_T: Tensor,
     *,
     logits_per_chunk: int | None,
+    plan_tokens: int | None = None,
 ) -> Tensor:
     """float32 log softmax(logits)[target] at every position of the right-padded batch
     (padding's computed too, and meaningless). With `logits_per_chunk` and an output layer
     `output_head` knows, the logits are computed for at most that many elements (positions x
     vocabulary) at a time and recomputed in the backward; otherwise (None, or an unknown head)
-    from the model's full logits."""
+    from the model's full logits. With `plan_tokens`, the output layer runs as many chunks as
+    a pass of that many positions would, the extra ones empty: a sharded group's ranks, whose
+    output layer is a collective (`distributed.vocabulary`), call it as often as each other."""
     head = output_head(model) if logits_per_chunk is not None else None
     if head is None or logits_per_chunk is None:
         logits_B_T_V = model(
@@ -143,7 +146,10 @@ def target_logprobs(
     pieces = []
     # `split`, not slicing: its backward concatenates the chunks' grads once, where each slice's
     # would write a zero-filled [N, H] tensor.
-    for hidden_C_H, targets_C in zip(hidden_N_H.split(rows), targets_N.split(rows), strict=True):
+    chunks = list(zip(hidden_N_H.split(rows), targets_N.split(rows), strict=True))
+    if plan_tokens is not None:  # empty views, so that the backward reaches them too
+        chunks += [(hidden_N_H[:0], targets_N[:0])] * (-(-plan_tokens // rows) - len(chunks))
+    for hidden_C_H, targets_C in chunks:
         if torch.is_grad_enabled():
             lp_C = checkpoint(_chunk_logprobs, head, hidden_C_H, targets_C, use_reentrant=False)
         else:

@@ -286,6 +286,7 @@ def batch_loss(
     *,
     logits_per_chunk: int | None = MICROBATCH_LOGITS,
     checkpoint_layers: bool | None = None,
+    plan_tokens: int | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], Tensor]:
     """One right-padded forward pass of validated `arrays` with whatever weights `model` runs
     now: per datum `logprobs` and `elementwise_loss` (float32 [T_i]) and the summed loss, a
@@ -294,7 +295,9 @@ def batch_loss(
     The logits come at most `logits_per_chunk` at a time (None: all at once, the model's own
     forward; see `chunked_logprobs.target_logprobs`), once the pass's logits pass
     FULL_LOGITS_AT_MOST; a smaller pass computes them whole. Which way depends only on the
-    pass's size, so a replay and every rank of a group take the same one. With `checkpoint_layers` the decoder layers
+    pass's size, so a replay takes the same one; `plan_tokens` (a sharded group's largest
+    pass, the same on every rank) stands for it where given, so that every rank takes the same
+    way and runs as many chunks (`target_logprobs`). With `checkpoint_layers` the decoder layers
     are recomputed in the backward instead of keeping their activations; None decides by the
     pass's size (`wants_checkpointing`), and never while grads are off. Results are the same
     either way, up to float rounding."""
@@ -312,7 +315,8 @@ def batch_loss(
     tokens_B_T = padded("tokens", torch.long)
     targets_B_T = padded("target_tokens", torch.long)
     inputs = {name: padded(name, torch.float32) for name in loss.spec.tensor_inputs}
-    if len(arrays) * width * model.config.vocab_size <= FULL_LOGITS_AT_MOST:
+    planned = len(arrays) * width if plan_tokens is None else plan_tokens
+    if planned * model.config.vocab_size <= FULL_LOGITS_AT_MOST:
         logits_per_chunk = None  # small enough to compute whole, the fastest way
     if checkpoint_layers is None:
         checkpoint_layers = torch.is_grad_enabled() and wants_checkpointing(
@@ -320,7 +324,12 @@ def batch_loss(
         )
     with checkpointed_layers(model) if checkpoint_layers else contextlib.nullcontext():
         logprobs_B_T = target_logprobs(
-            model, tokens_B_T, mask_B_T, targets_B_T, logits_per_chunk=logits_per_chunk
+            model,
+            tokens_B_T,
+            mask_B_T,
+            targets_B_T,
+            logits_per_chunk=logits_per_chunk,
+            plan_tokens=plan_tokens,
         )
     elementwise_B_T = torch.where(mask_B_T, loss.compute(logprobs_B_T, inputs, config), 0.0)
     logprobs_np = logprobs_B_T.detach().cpu().numpy()

@@ -6,7 +6,8 @@ layer, shards it and frees it before reading the next).
 Owns `build_deferred` (the model from its config, parameters on meta, buffers real, as
 `from_pretrained` would leave them) and `WeightFiles` (which file holds each parameter; a read
 opens the file and takes a module's tensors: over the file's mapping where the dtype is the
-file's, as `from_pretrained` leaves them, converted copies where it is not). A folder
+file's, as `from_pretrained` leaves them, converted copies where it is not; or a range of one
+parameter's rows, a rank's share of the vocabulary). A folder
 whose tensor names are not the model's own (a checkpoint transformers converts while loading,
 such as per-expert MoE weights it stacks) has no `WeightFiles`: the caller loads it whole.
 Must not import flask, sqlalchemy, celery or treadle.api.
@@ -70,6 +71,20 @@ class WeightFiles:
                         holder._parameters[attr] = param
                     read += values.numel() * values.element_size()
         return read
+
+    def rows(self, param: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of the meta parameter `param` (its first dimension), read from its
+        file alone, in host memory in this model's dtype: a rank's share of an embedding."""
+        name = self.keys[id(param)]
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            part = f.get_slice(name)
+            shape = part.get_shape()
+            if list(shape) != list(param.shape):
+                raise ValueError(
+                    f"{name} in {self.files[name].name} has shape {list(shape)}; the model "
+                    f"built from config.json needs {list(param.shape)}"
+                )
+            return part[lo:hi].to(self.dtype).contiguous()
 
 
 def build_deferred(
