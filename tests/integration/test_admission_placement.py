@@ -1,12 +1,14 @@
 """Placement by memory against a real PostgreSQL (treadle/platform/sessions/leases.py with
 admission.py): a new session goes to a worker with room for it even when another has fewer
 sessions, a worker claims only a session it has room for, a worker whose heartbeat reports no
-budget is judged as before, and a create no live worker has room for is a ValidationError naming
-the numbers. Each test runs in a transaction it rolls back, with the workers table emptied in it,
+budget is judged as before, a create no live worker has room for is a ValidationError naming
+the numbers, and two creates at once cannot both take a worker's last room. Each test runs in a transaction it rolls back, with the workers table emptied in it,
 so heartbeats of other tests' workers do not take part."""
 
 from __future__ import annotations
 
+import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,3 +106,58 @@ def test_a_create_no_live_worker_has_room_for_names_the_numbers(conn: sa.Connect
     assert "w-small has 20.00 MiB per device" in message
     assert "Lower the rank, train fewer targets" in message
     require_host(conn, config, MODEL, admission.Held("new", MODEL, "training", {"rank": 1}))
+
+
+def test_two_creates_at_once_cannot_both_take_the_last_room(quiet_engine: sa.Engine) -> None:
+    """Two creates checking one worker's room at the same moment: the first to read it holds the
+    placement lock until its transaction ends (`leases.with_room`), so the second reads the room
+    only after the first's session is placed, and is refused. With the lock taken out (seen),
+    the second was placed meanwhile and the first, admitted on the room it had read, found none
+    left to place it; had both read the room before either placed, both would have been
+    placed, over the worker's memory."""
+    tag = uuid.uuid4().hex[:8]
+    model, worker = f"race/{tag}", f"w-race-{tag}"
+    info = {**_info(130 * MiB), "models": [model], "footprints": {model: FOOTPRINT}}
+    lora = {"rank": 64, "alpha": 32.0}  # about 108 MiB with its working set: room for one
+    with quiet_engine.begin() as setup:
+        tenants.ensure_tenant(setup, PRINCIPAL.tenant_id)
+        leases.heartbeat_worker(setup, worker, info)
+        client = sessions.create_client_session(setup, PRINCIPAL, [], {})
+    config = PlatformConfig()
+    first_checked, second_done = threading.Event(), threading.Event()
+    outcome: dict[int, str] = {}
+
+    def create(index: int) -> None:
+        sid = sessions.training_session_id(client, index)
+        need = admission.Held(sid, model, "training", lora)
+        try:
+            with quiet_engine.begin() as conn:
+                require_host(conn, config, model, need)
+                if index == 0:  # the first waits here, its check done, for the second
+                    first_checked.set()
+                    second_done.wait(3.0)  # the second cannot finish while this holds the lock
+                sessions.create_session(
+                    conn, PRINCIPAL, session_id=sid, client_session_id=client,
+                    kind="training", base_model=model, lora_config=lora,
+                )  # fmt: skip
+                placed = leases.place_session(conn, sid, config.lease_ttl_seconds, model, need)
+                outcome[index] = f"placed on {placed}"
+        except ValidationError as exc:
+            outcome[index] = f"refused: {exc}"
+        finally:
+            if index == 1:
+                second_done.set()
+
+    first = threading.Thread(target=create, args=(0,))
+    first.start()
+    assert first_checked.wait(10.0), outcome
+    second = threading.Thread(target=create, args=(1,))
+    second.start()
+    first.join(30.0)
+    second.join(30.0)
+    try:
+        assert outcome[0] == f"placed on {worker}"
+        assert outcome[1].startswith("refused: no live worker has the memory"), outcome[1]
+    finally:
+        with quiet_engine.begin() as cleanup:
+            cleanup.execute(sa.text("DELETE FROM workers WHERE id = :id"), {"id": worker})

@@ -22,6 +22,10 @@ from treadle.platform.eventlog.schema import operations, sessions, workers
 from treadle.platform.sessions import admission
 from treadle.platform.sessions.sessions import ACTIVE_STATUSES, SessionRow, get_session
 
+# The advisory lock every read of workers' room takes (`with_room`), held to the end of its
+# transaction: one placement at a time (the schema's migrations take 727170, prices 727171).
+PLACEMENT_LOCK = 727172
+
 
 class StaleLeaseError(Exception):
     """The worker's lease epoch is no longer current: its write is refused."""
@@ -91,7 +95,13 @@ def with_room(
 ) -> tuple[list[str], dict[str, str]]:
     """Those of `worker_ids` with room in their memory for `new` beside the sessions they hold
     (`admission.room`; a worker that reports no budget is taken to have room), and why each
-    other has none, with the numbers."""
+    other has none, with the numbers.
+
+    Takes the placement lock, held until `conn`'s transaction ends: the room read here is still
+    there when the caller places the session in the same transaction, since no other create or
+    claim reads room meanwhile (two creates at once both saw room for one, and both were
+    placed)."""
+    conn.execute(sa.select(sa.func.pg_advisory_xact_lock(PLACEMENT_LOCK)))
     rows = conn.execute(
         sa.select(workers.c.id, workers.c.info).where(workers.c.id.in_(worker_ids))
     ).all()
