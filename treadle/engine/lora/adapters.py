@@ -180,6 +180,10 @@ class LoraLinear(nn.Module):
         self.packed: torch.Tensor | None = None
 
     @property
+    def host(self) -> LoraHost:
+        return self._host
+
+    @property
     def weight(self) -> torch.Tensor:  # transformers reads lm_head.weight (weight tying)
         return self.base.weight
 
