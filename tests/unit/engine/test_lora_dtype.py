@@ -1,9 +1,10 @@
 """LoRA in the activation dtype: an engine running a tiny random model in bfloat16 (on the CPU,
-as CUDA runs every model) computes the adapter in bfloat16 from float32 master weights, grads
+as CUDA runs models by default) computes the adapter in bfloat16 from float32 master weights, grads
 and Adam state. Its loss and LoRA grads equal peft's computing in bfloat16 bit for bit (peft's
 adapter weights bfloat16 with the same values, `autocast_adapter_dtype=False`), on every dense
 architecture of tests/architectures.py; the backward keeps no float32 copies of activations for
-the LoRA; a step updates the float32 masters and the bfloat16 copy the next pass runs; sampling
+the LoRA; a step updates the float32 masters and the bfloat16 copy the next pass runs; an adapter
+paged out to disk and back trains on as one never paged; sampling
 with snapshots runs the same copies. (MoE experts are left out of the exact comparison: peft
 adds each expert's delta to the bfloat16 weight stack before the product, a different rounding
 from Treadle's per-expert delta: tests/unit/engine/test_lora_architectures.py compares them in
@@ -222,3 +223,28 @@ def test_bf16_snapshots_sample_in_a_batch_as_alone_and_score_as_the_forward(
         rtol=0,
         atol=2e-2,
     )
+
+
+def test_a_bf16_adapter_paged_out_to_disk_trains_on_as_one_never_paged(tmp_path: Path) -> None:
+    info = registered("llama3", tmp_path)
+    adam = AdamSpec(learning_rate=1e-2)
+    paged = Engine(
+        cache_dir=tmp_path / "cache",
+        device="cpu",
+        dtype=BF16,
+        models={info.name: info}.__getitem__,
+        max_loaded_adapters=1,
+        spill_dir=tmp_path / "spill",
+    )
+    alone = bf16_engine(info, tmp_path)
+    for engine in (paged, alone):
+        random_adapter(engine, "a", info.name, seed=3)
+        engine.forward_backward("a", DATA, "cross_entropy")
+        engine.optim_step("a", adam)  # the copy now holds the stepped weights
+    random_adapter(paged, "b", info.name, seed=4)  # pages "a" out, its copy with it
+    assert list(paged.spilled_adapters()) == ["a"]
+    for engine in (paged, alone):  # "a" back from disk: a copy of the masters read back
+        engine.forward_backward("a", DATA, "cross_entropy")
+        engine.optim_step("a", adam)
+    parts = ("weights", "optimizer")
+    assert paged.state_hashes("a", parts) == alone.state_hashes("a", parts)
