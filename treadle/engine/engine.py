@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 import treadle.engine.training as training
 from treadle.engine.lora import files as adapter_files
-from treadle.engine.lora.adapters import LoraHost, LoraSpec, TrainableLora
+from treadle.engine.lora.adapters import LoraHost, LoraSpec, TrainableLora, compute_dtype
 from treadle.engine.lora.snapshots import Snapshot, Snapshots
 from treadle.engine.losses import passes
 from treadle.engine.losses.functions import (
@@ -86,8 +86,10 @@ class Engine:
     """LoRA training and sampling for many adapters in one process. Thread-safe (one call runs
     at a time); each adapter's weights, grads and optimizer state are its own.
 
-    `device` None picks CUDA (bfloat16 base weights) when available, else the CPU (float32);
-    adapters are float32 everywhere. At most `max_resident_adapters` adapters stay on a CUDA
+    `device` None picks CUDA (bfloat16 base weights) when available, else the CPU (float32;
+    `dtype` chooses otherwise). Adapters' weights, grads and Adam state are float32 everywhere;
+    on a bfloat16 model training and sampling run a bfloat16 copy of the weights
+    (`TrainableLora`), so the LoRA computes in the activations' dtype. At most `max_resident_adapters` adapters stay on a CUDA
     device; the least recently used others wait in host memory (on the CPU nothing moves). With
     `max_loaded_adapters`, at most that many adapters' weights, grads and Adam state stay in
     memory (the accelerator's included); the least recently used others are written to one file
@@ -113,6 +115,7 @@ class Engine:
         models: Callable[[str], BaseModelInfo] = get_base_model,
         parallel: Parallelism = ALONE,
         microbatch_tokens: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         # A base model's registry entry by name (the worker's `ModelRegistry.get`; the built-ins
@@ -133,7 +136,9 @@ class Engine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # before any CUDA work: cuBLAS reads its workspace setting when it starts
         determinism.apply(self.device)
-        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        # The base models' dtype (a registered model's own on CUDA where its entry names one):
+        # None picks bfloat16 on CUDA, float32 on the CPU; tests run bfloat16 on the CPU too.
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.max_resident_adapters = max_resident_adapters
         self.max_loaded_adapters = max_loaded_adapters
         self._bases: dict[str, Base] = {}
@@ -443,7 +448,9 @@ class Engine:
                     f"{snap.base_model!r}, not {request.base_model!r}; sample it with its own "
                     "base model"
                 )
-            weights = snap.weights
+            # the copy in the model's activation dtype (the float32 weights on a float32
+            # model), made once per snapshot so its batches share one set of stacks
+            weights = snap.weights.in_dtype(compute_dtype(base.model.dtype))
         tokens = sampler.validate_sampling(
             request.prompt,
             request.num_samples,

@@ -25,11 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 
 from treadle.engine.lora.targets import is_expert_key, resolve, split_expert_key
 from treadle.engine.losses import passes
-from treadle.engine.losses.chunked_logprobs import (
-    ACTIVATION_VALUES_PER_HIDDEN,
-    CHECKPOINT_ABOVE_FRACTION,
-    FULL_LOGITS_AT_MOST,
-)
+from treadle.engine.losses.activation_cost import token_cost
+from treadle.engine.losses.chunked_logprobs import CHECKPOINT_ABOVE_FRACTION, FULL_LOGITS_AT_MOST
 from treadle.engine.models import cpu_linear
 from treadle.engine.models.loading import tiny_debug_config
 from treadle.engine.models.vocab_split import split_by_rows
@@ -108,7 +105,7 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
     else:
         budget = passes.cpu_pass_tokens(vocab)
     tokens = pass_tokens(info, budget)
-    full_layers = ACTIVATION_VALUES_PER_HIDDEN * hidden * layers * element  # per token
+    full_layers = token_cost(model).layers  # per token; estimated: a meta-device model
     checkpointed = settings.checkpointing
     if checkpointed is None:  # chunked_logprobs.wants_checkpointing, on the real device
         checkpointed = tokens * full_layers > CHECKPOINT_ABOVE_FRACTION * settings.device_bytes

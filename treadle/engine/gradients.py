@@ -95,7 +95,8 @@ def combine(sums: dict[int, torch.Tensor], units: Sequence[range]) -> torch.Tens
 
 
 def flatten(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One part's gradient as a flat float32 buffer (zeros where a parameter got none)."""
+    """One part's gradient as a flat float32 buffer (zeros where a parameter got none; a
+    bfloat16 grad, of an adapter's copy in a bfloat16 model's dtype, converted exactly)."""
     out = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
     start = 0
     for grad, param in zip(grads, params, strict=True):

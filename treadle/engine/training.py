@@ -6,7 +6,9 @@ A forward_backward runs in parts (`losses.microbatches`) of at most `pass_tokens
 canonical tree (`gradients`), keeping one running sum per unit, and `exchange` hands it every
 part's outputs and loss, in order, and the request's gradient, added in that tree: the result is
 the same bit for bit however the parts were spread, and a part's gradient is freed as soon as it
-is added. The gradient reaches the adapter only when every part succeeded. The engine (`engine.Engine`) validates the
+is added. The gradient reaches the adapter only when every part succeeded. On a bfloat16 (or
+float16) model the passes run the adapter's copy in that dtype and the float32 sums go to its
+float32 master weights' grads (`lora.adapters.TrainableLora`). The engine (`engine.Engine`) validates the
 request and holds the adapter; this module only computes.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
@@ -21,7 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from treadle.engine.gradients import PairwiseSum, flatten, unflatten
-from treadle.engine.lora.adapters import LoraHost, TrainableLora
+from treadle.engine.lora.adapters import LoraHost, TrainableLora, compute_dtype
 from treadle.engine.losses.chunked_logprobs import wants_checkpointing
 from treadle.engine.losses.functions import (
     MICROBATCH_LOGITS,
@@ -86,10 +88,15 @@ def forward_backward(
         checkpoint = not forward_only and wants_checkpointing(base.model, max(tokens_P))
     # and one plan for the output layer's chunks, a collective too (`distributed.vocabulary`)
     plan = max(tokens_P, default=0) if parallel.sharded else None
-    params = lora.weights.parameters()
+    # The passes run the adapter in the model's activation dtype (its float32 masters
+    # themselves on a float32 model); each part's grads are taken as float32 (`flatten`: exact
+    # from bfloat16) and summed, and the sum reaches the float32 masters' grads.
+    masters = lora.weights.parameters()
+    weights = lora.weights.in_dtype(compute_dtype(base.model.dtype))
+    params = weights.parameters()
     parts: dict[int, Part] = {}
     sums: dict[int, PairwiseSum] = {}  # per unit: its parts' gradients, never one per part
-    with base.host.use(lora.weights), torch.set_grad_enabled(not forward_only):
+    with base.host.use(weights), torch.set_grad_enabled(not forward_only):
         for p, kept in passes:
             if interrupt is not None:
                 interrupt()
@@ -112,7 +119,7 @@ def forward_backward(
         outputs.extend(part.outputs)
         total += part.loss
     if gradient is not None:  # only now, when every part succeeded
-        _accumulate(params, unflatten(gradient, params))
+        _accumulate(masters, unflatten(gradient, masters))
     if tokens * vocab_size >= MICROBATCH_LOGITS // 4:
         # The passes' activations went back to the C heap, which keeps their pages for the
         # next pass up to a limit (`heap`); a small call frees too little to look.

@@ -22,6 +22,7 @@ from tests.architectures import ARCHITECTURES, build
 from treadle.engine import Engine
 from treadle.engine.lora.adapters import LoraHost, LoraSpec, LoraWeights
 from treadle.engine.losses import functions as losses_module
+from treadle.engine.losses.activation_cost import estimated_cost, measured_cost, token_cost
 from treadle.engine.losses.chunked_logprobs import (
     CHECKPOINT_ABOVE_FRACTION,
     checkpointed_layers,
@@ -215,14 +216,24 @@ def test_an_unknown_output_layer_runs_the_full_logits() -> None:
     torch.testing.assert_close(lp_B_T, expected_B_T, rtol=0, atol=0)
 
 
-def test_checkpointing_by_default_only_where_activations_pass_the_budget() -> None:
+def test_checkpointing_by_default_only_where_the_measured_activations_pass_the_budget() -> None:
     import psutil
 
-    model = build("llama3", VOCAB)  # hidden 32, 2 layers, float32: 5,120 bytes a token
+    model = build("llama3", VOCAB).requires_grad_(False)  # frozen, as the engine loads it
+    LoraHost(model)
     budget = CHECKPOINT_ABOVE_FRACTION * psutil.virtual_memory().total  # the CPU: the host's
+    cost = token_cost(model)
+    assert cost.measured and cost == measured_cost(model)
+    # hidden 32, 2 layers, float32, the adapter's inputs included: 4,140 bytes a token, where
+    # the estimate the threshold used before says 7,168
+    assert cost.layers == 4140 and estimated_cost(model).layers == 7168
     assert not wants_checkpointing(model, MICROBATCH_TOKENS)
-    assert not wants_checkpointing(model, int(budget // 5120) - 1)
-    assert wants_checkpointing(model, int(budget // 5120) + 1)
+    assert not wants_checkpointing(model, int(budget // cost.layers) - 1)
+    assert wants_checkpointing(model, int(budget // cost.layers) + 1)
+    # the threshold follows the cost: on a device of 100 passes of 1,000 tokens at that cost
+    device = int(1000 * cost.layers / CHECKPOINT_ABOVE_FRACTION)
+    assert not wants_checkpointing(model, 1000, device)
+    assert wants_checkpointing(model, 1001, device)
 
 
 def test_microbatches_are_bounded_by_the_pass_budget() -> None:

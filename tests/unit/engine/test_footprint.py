@@ -18,7 +18,7 @@ import torch
 from tests import architectures
 from treadle.engine.footprint import LOGITS_TENSORS, PassSettings, model_footprint
 from treadle.engine.lora.adapters import LoraHost, LoraSpec, TrainableLora
-from treadle.engine.losses.chunked_logprobs import ACTIVATION_VALUES_PER_HIDDEN
+from treadle.engine.losses.activation_cost import ACTIVATION_VALUES_PER_HIDDEN
 from treadle.engine.memory.capacity import Capacity
 from treadle.engine.models.loading import tiny_debug_config
 from treadle.engine.optim import AdamSpec

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from treadle.engine import Engine
 from treadle.engine.losses import passes
+from treadle.engine.losses.chunked_logprobs import wants_checkpointing
 from treadle.engine.losses.functions import MICROBATCH_LOGITS, MICROBATCH_TOKENS
 from treadle.platform.errors import ValidationError
 
@@ -100,22 +101,26 @@ def _llama_8b() -> LlamaForCausalLM:
 
 
 def test_the_gpu_budget_follows_its_documented_formula() -> None:
-    model = _llama_8b()
-    # per layer: 20 hidden-sized bf16 values, and float32 inputs of q, k, v, o (4 x 4096),
-    # gate and up (2 x 4096) and down (14,336)
-    per_layer = 20 * 4096 * 2 + (6 * 4096 + 14_336) * 4
-    assert passes.token_bytes(model, checkpointed=False) == 32 * per_layer == 10_223_616
-    checkpointed = 32 * 4096 * 2 + 20 * 4096 * 2 + (6 * 4096 + 14_336) * 4
+    model = _llama_8b()  # on the meta device: the estimate (activation_cost.estimated_cost)
+    # per layer: 20 hidden-sized bf16 values, and the bf16 inputs (the LoRA computes in the
+    # activations' dtype) of q, k, v, o (4 x 4096), gate and up (2 x 4096) and down (14,336)
+    per_layer = 20 * 4096 * 2 + (6 * 4096 + 14_336) * 2
+    assert passes.token_bytes(model, checkpointed=False) == 32 * per_layer == 7_733_248
+    checkpointed = 32 * 4096 * 2 + 20 * 4096 * 2 + (6 * 4096 + 14_336) * 2
     assert passes.token_bytes(model, checkpointed=True) == checkpointed
     weights = 16 * GIB
     free = 0.5 * (80 * GIB - weights) - 1.5 * GIB
-    plain = int(free // 10_223_616)  # 3,203 tokens: 12x the 2^25-logits cap's 261
-    assert passes.cuda_pass_tokens(model, 80 * GIB, weights, checkpointing=False) == plain == 3203
-    # The engine's default checkpoints a pass of 3,203 tokens only past a quarter of the device
-    # (5.2 MB of activations a token: 16.8 GB < 20 GiB), so the budget is the plain one.
-    assert passes.cuda_pass_tokens(model, 80 * GIB, weights, checkpointing=None) == plain
+    plain = int(free // 7_733_248)  # 4,234 tokens: 16x the 2^25-logits cap's 261
+    assert passes.cuda_pass_tokens(model, 80 * GIB, weights, checkpointing=False) == plain == 4234
     forced = passes.cuda_pass_tokens(model, 80 * GIB, weights, checkpointing=True)
-    assert forced == int(free // checkpointed) > 3 * plain
+    assert forced == int(free // checkpointed) == 65_003
+    # The engine's default runs passes plain, as many tokens as a pass it does not checkpoint
+    # may hold: a quarter of the device (20 GiB / 7.7 MB a token = 2,776), not the 4,234 tokens
+    # that would be checkpointed (32.7 GB), each recomputing its layers.
+    default = passes.cuda_pass_tokens(model, 80 * GIB, weights, checkpointing=None)
+    assert default == int(0.25 * 80 * GIB // 7_733_248) == 2776
+    assert not wants_checkpointing(model, default, 80 * GIB)
+    assert wants_checkpointing(model, default + 1, 80 * GIB)
     # A device with no room past the weights still runs passes, of one datum each.
     assert passes.cuda_pass_tokens(model, 17 * GIB, weights, checkpointing=None) == 1
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,7 +46,17 @@ __all__ = [
     "LoraWeights",
     "RowAdapters",
     "TrainableLora",
+    "compute_dtype",
 ]
+
+
+def compute_dtype(activations: torch.dtype) -> torch.dtype:
+    """The dtype an adapter computes in on a model whose activations are `activations`: theirs
+    where it is narrower than float32 (bfloat16, float16), so the LoRA's products keep no
+    float32 copies of activations for the backward; float32 otherwise."""
+    if activations.is_floating_point and torch.finfo(activations).bits < 32:
+        return activations
+    return torch.float32
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,8 @@ class LoraSpec:
 
 @dataclass
 class LoraWeights:
-    """One adapter: `A[name]` is [rank, in_features], `B[name]` is [out_features, rank], float32.
+    """One adapter: `A[name]` is [rank, in_features], `B[name]` is [out_features, rank], float32
+    (the master weights; `in_dtype` gives the copy a lower-precision model computes with).
 
     The delta added to module `name`'s output is `scale * x @ A.T @ B.T`, `scale = alpha / rank`.
     An experts module's 3-D parameter (`name` an `expert_key`, `module:parameter`) has one such
@@ -73,6 +84,44 @@ class LoraWeights:
     scale: float
     A: dict[str, torch.Tensor]
     B: dict[str, torch.Tensor]
+    # the copy in a narrower dtype (`in_dtype`), made when first asked for
+    _copy: LoraWeights | None = field(default=None, repr=False, compare=False)
+
+    def in_dtype(self, dtype: torch.dtype) -> LoraWeights:
+        """The weights a model computing in `dtype` (`compute_dtype`) runs: these themselves in
+        float32; else a copy in `dtype` (leaves that take grads, on these tensors' device), made
+        from these once and kept, so every pass and every sample of them runs the same copy.
+        Whoever changes these tensors refreshes or drops it (`refresh_copy`, `drop_copy`)."""
+        if dtype == torch.float32:
+            return self
+        if self._copy is None or self._copy.dtype != dtype or self._copy.device != self.device:
+            self._copy = LoraWeights(
+                scale=self.scale,
+                A={k: nn.Parameter(v.detach().to(dtype)) for k, v in self.A.items()},
+                B={k: nn.Parameter(v.detach().to(dtype)) for k, v in self.B.items()},
+            )
+        return self._copy
+
+    def refresh_copy(self) -> None:
+        """Write these tensors' values into the copy `in_dtype` made (rounded to its dtype), in
+        place, so its tensors stay the same objects; nothing when there is none."""
+        if self._copy is None:
+            return
+        with torch.no_grad():
+            for (_, copy), (_, master) in zip(self._copy.tensors(), self.tensors(), strict=True):
+                copy.copy_(master)
+
+    def drop_copy(self) -> None:
+        """Forget the copy `in_dtype` made (made again when next asked for)."""
+        self._copy = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.A.values())).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.A.values())).device
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor with its peft name, in a fixed order (module order, A before B). An
@@ -129,6 +178,10 @@ class LoraLinear(nn.Module):
         self.name = name
         self._host = host
         self.packed: torch.Tensor | None = None
+
+    @property
+    def host(self) -> LoraHost:
+        return self._host
 
     @property
     def weight(self) -> torch.Tensor:  # transformers reads lm_head.weight (weight tying)
@@ -229,7 +282,10 @@ class RowAdapters:
             for m, row in enumerate(rows):
                 place_R[row] = g * width + m
         self._place_R = torch.tensor(place_R, dtype=torch.long, device=device)
-        self._scale_G11 = torch.tensor([w.scale for w in slots], device=device)[:, None, None]
+        # in the slots' dtype, so a bfloat16 product stays bfloat16 (a float32 tensor promotes)
+        dtype = slots[0].dtype if slots else torch.float32
+        scale_G = torch.tensor([w.scale for w in slots], dtype=dtype, device=device)
+        self._scale_G11 = scale_G[:, None, None]
 
     def selected(self, keep: list[int]) -> RowAdapters:
         """The adapters of rows `keep` only, reusing these stacks where it can."""
@@ -411,7 +467,11 @@ class LoraHost:
 
 class TrainableLora:
     """One adapter under training: its weights, the grads accumulated since the last step and its
-    AdamW state, kept together on one device.
+    AdamW state, kept together on one device, all float32 (the master weights). On a model
+    computing in a narrower dtype the passes run `weights.in_dtype(...)`, a copy in that dtype
+    (`compute_dtype`), and their grads are added to the masters' float32 grads
+    (`training.forward_backward`); every change of the masters here refreshes the copy (`step`,
+    `load`) or drops it (`move_to`, `release`).
 
     AdamW holds the tensors in two parameter groups, the A matrices and the B matrices, so a step
     can give B its own learning rate (LoRA+). Its state is per tensor and keyed by tensor name
@@ -445,6 +505,7 @@ class TrainableLora:
     def load(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Overwrite every tensor (see `LoraWeights.load`); grads and optimizer state are kept."""
         self.weights.load(arrays)
+        self.weights.refresh_copy()
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """A CPU copy of the AdamW state (`step`, `exp_avg`, `exp_avg_sq`) of every tensor that
@@ -491,8 +552,11 @@ class TrainableLora:
         self.optimizer.load_state_dict({"state": as_saved, "param_groups": groups})
 
     def step(self, adam: AdamSpec) -> dict[str, float]:
-        """Apply the accumulated grads with AdamW(`adam`), then zero them (`optim.step`)."""
-        return adam_step(self.optimizer, self.weights.parameters(), adam)
+        """Apply the accumulated grads with AdamW(`adam`), then zero them (`optim.step`), and
+        refresh the compute copy from the stepped masters."""
+        metrics = adam_step(self.optimizer, self.weights.parameters(), adam)
+        self.weights.refresh_copy()
+        return metrics
 
     def move_to(self, device: torch.device) -> None:
         """Move weights, pending grads and Adam moments to `device`, in place: the parameter
@@ -500,6 +564,7 @@ class TrainableLora:
         Adam's step counters stay on the CPU, where AdamW keeps them. No-op if already there."""
         if _same_device(self.device, device):
             return
+        self.weights.drop_copy()
         for p in self.weights.parameters():
             grad, p.grad = p.grad, None
             p.data = p.data.to(device)
@@ -528,6 +593,7 @@ class TrainableLora:
         """Free every tensor of the training state (save `state_tensors()` first). The parameter
         objects stay, so the optimizer's settings and the state's keys survive; nothing may use
         the adapter until `restore`."""
+        self.weights.drop_copy()
         for p in self.weights.parameters():
             p.grad = None
             p.data = torch.empty(0, device=p.device)

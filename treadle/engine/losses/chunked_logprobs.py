@@ -6,7 +6,8 @@ the forward and the backward each hold one chunk's logits (the backward recomput
 of float32 [T, V] (~20 GB at 32k tokens of a 151,936-token vocabulary). Only output layers whose
 forward is known (`output_head`) are chunked; any other model runs its own forward, full logits.
 Also owns `checkpointed_layers` (each decoder layer recomputed in the backward instead of keeping
-its activations) and `wants_checkpointing`, the default for when that pays. Recomputing reads the
+its activations) and `wants_checkpointing`, the default for when that pays (from the cost per
+token measured on the model, `activation_cost`). Recomputing reads the
 LoRA host's active adapter again: run the backward with the forward's adapter still active.
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
@@ -37,10 +38,10 @@ from transformers import (
     StableLmForCausalLM,
 )
 
+from treadle.engine.losses.activation_cost import token_cost
 from treadle.engine.memory.capacity import device_memory
 
 __all__ = [
-    "ACTIVATION_VALUES_PER_HIDDEN",
     "CHECKPOINT_ABOVE_FRACTION",
     "FULL_LOGITS_AT_MOST",
     "checkpointed_layers",
@@ -71,17 +72,10 @@ _PLAIN_HEADS = (
     GlmForCausalLM,
 )
 
-# A decoder layer keeps roughly this many values per token, in units of the hidden size, for its
-# backward: ~10 hidden-sized tensors (norm inputs and outputs, q, k, v, rotated q and k, attention
-# output, residuals) plus ~4 of the MLP's (~3x hidden) intermediate size (Korthikanti et al.,
-# "Reducing Activation Recomputation in Large Transformer Models", 2022, count ~17 at 16 bits
-# without the attention scores). Checkpointed, it keeps one: its input.
-ACTIVATION_VALUES_PER_HIDDEN = 20
 # Checkpointing costs one more forward of the layers, about a third more compute per training
-# pass; pay it only where the activations it saves would take a quarter of the device's memory
-# (the GPU's, or the host's on the CPU). On a 24 GiB host SmolLM2-135M (float32, ~1.4 MB a token)
-# checkpoints passes above ~4,400 tokens; on an 80 GB GPU an 8B model (bfloat16, ~5.2 MB a
-# token) above ~3,900; the tiny debug model never.
+# pass; pay it only where the activations it saves, at the model's cost per token as measured on
+# the model itself (`activation_cost.token_cost`), would take a quarter of the device's memory
+# (the GPU's, or the host's on the CPU).
 CHECKPOINT_ABOVE_FRACTION = 0.25
 # Logits (positions x vocabulary) a pass computes whole, the fastest way: past this, in chunks
 # recomputed in the backward (one more pass of the output layer), so the memory stays one
@@ -169,13 +163,13 @@ def wants_checkpointing(
 ) -> bool:
     """Whether checkpointing the decoder layers of a training pass over `tokens` padded tokens
     saves enough memory to be worth a third more compute (see CHECKPOINT_ABOVE_FRACTION) on a
-    device of `device_bytes` (None: the model's own device's memory)."""
-    config = model.config.get_text_config()
-    first = next(model.parameters())
-    kept = ACTIVATION_VALUES_PER_HIDDEN * config.hidden_size * config.num_hidden_layers
+    device of `device_bytes` (None: the model's own device's memory): whether the pass's
+    activations, `tokens` x the bytes a token keeps in the decoder layers (measured once per
+    model: `activation_cost.token_cost`), would take more than that fraction of it."""
+    kept = token_cost(model).layers
     if device_bytes is None:
-        device_bytes = device_memory(first.device)
-    return tokens * kept * first.element_size() > CHECKPOINT_ABOVE_FRACTION * device_bytes
+        device_bytes = device_memory(next(model.parameters()).device)
+    return tokens * kept > CHECKPOINT_ABOVE_FRACTION * device_bytes
 
 
 @contextlib.contextmanager

@@ -3,13 +3,13 @@
 A request's data are cut into passes (`losses.microbatches`) of at most this many padded tokens
 (rows x longest); a datum longer than that runs alone. The logits are bounded apart from it (the
 output layer runs in chunks past `chunked_logprobs.FULL_LOGITS_AT_MOST`), so the budget counts
-only what grows with a pass's tokens: the decoder layers' activations and the LoRA's float32
-copies of its linears' inputs.
+only what grows with a pass's tokens: what the decoder layers and the LoRA keep for the backward,
+measured on the model (`activation_cost`).
 
 - An operator's setting (`TREADLE_MICROBATCH_TOKENS`) wins everywhere.
 - On CUDA: PASS_MEMORY_FRACTION of the device's memory left after the base models' weights on it,
-  less LOGITS_RESERVE, divided by `token_bytes` (documented there; with checkpointing when the
-  engine checkpoints passes of that size).
+  less LOGITS_RESERVE, divided by `token_bytes` (documented there); by default no more than a
+  pass the engine runs without checkpointing may hold (`cuda_pass_tokens`).
 - On the CPU: the rule the engine always ran (at most MICROBATCH_TOKENS tokens and
   MICROBATCH_LOGITS logits a pass), measured no slower than larger passes (docs/benchmarks.md).
 
@@ -26,8 +26,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from treadle.engine.losses.activation_cost import token_cost
 from treadle.engine.losses.chunked_logprobs import (
-    ACTIVATION_VALUES_PER_HIDDEN,
+    CHECKPOINT_ABOVE_FRACTION,
     FULL_LOGITS_AT_MOST,
     wants_checkpointing,
 )
@@ -51,7 +52,6 @@ PASS_MEMORY_FRACTION = 0.5
 # What the output layer holds at most, whatever the pass's size: about three float32 tensors of
 # FULL_LOGITS_AT_MOST logits (the logits, their log-softmax, its gradient), 1.5 GiB.
 LOGITS_RESERVE = 3 * 4 * FULL_LOGITS_AT_MOST
-LORA_BYTES = 4  # the adapter computes in float32: each adapted linear keeps its input so
 
 
 def cpu_pass_tokens(vocab_size: int) -> int:
@@ -64,22 +64,20 @@ def cpu_pass_tokens(vocab_size: int) -> int:
 def token_bytes(model: PreTrainedModel, *, checkpointed: bool) -> int:
     """Bytes a training pass keeps per padded token until its backward:
 
-        plain:        L x (A x H x e + I x 4)
-        checkpointed: L x H x e + A x H x e + I x 4
+        plain:        C
+        checkpointed: L x H x e + C / L
 
-    with L decoder layers of hidden size H, weights of e bytes, A = ACTIVATION_VALUES_PER_HIDDEN
-    (what a layer keeps for its backward, in hidden-sized values), and I the summed input
-    features of a layer's linears: each one an adapter may target keeps its input in float32
-    for the LoRA's gradient (the rank-sized products are left out: a rank is far below I).
-    Checkpointed, each layer keeps only its input and one layer at a time is recomputed."""
+    with C the decoder layers' cost per token (`activation_cost.token_cost`: measured on the
+    model, the adapter's saved inputs included; estimated for a model that cannot be probed
+    here, as admission's meta-device models), L decoder layers of hidden size H, weights of e
+    bytes. Checkpointed, each layer keeps only its input and one layer at a time is
+    recomputed."""
+    cost = token_cost(model)
+    if not checkpointed:
+        return cost.layers
     config = model.config.get_text_config()
-    hidden, layers = config.hidden_size, config.num_hidden_layers
     element = next(model.parameters()).element_size()
-    layer = ACTIVATION_VALUES_PER_HIDDEN * hidden * element
-    lora = _linear_inputs(model) * LORA_BYTES
-    if checkpointed:
-        return layers * hidden * element + layer + lora
-    return layers * (layer + lora)
+    return config.num_hidden_layers * config.hidden_size * element + cost.layer
 
 
 def resident_bytes(models: Iterable[nn.Module], device: torch.device) -> int:
@@ -101,17 +99,21 @@ def cuda_pass_tokens(
 
         (PASS_MEMORY_FRACTION x (device_bytes - weights_bytes) - LOGITS_RESERVE) / token_bytes
 
-    `checkpointing` None (the engine's default): checkpointed where a pass of the plain
-    budget's size would be checkpointed anyway (`wants_checkpointing`), so the budget counts
-    what such a pass keeps."""
+    checkpointed (`checkpointing` True), or plain (False). None, the engine's default: plain,
+    and at most as many tokens as a pass the engine does not checkpoint may hold
+    (CHECKPOINT_ABOVE_FRACTION of the device: `wants_checkpointing`), so that passes of the
+    budget run without recomputing their layers (about a third more compute each); a datum
+    longer than the budget runs alone, checkpointed where its size says so."""
     free = PASS_MEMORY_FRACTION * (device_bytes - weights_bytes) - LOGITS_RESERVE
-    plain = int(free // token_bytes(model, checkpointed=False))
-    checkpointed = checkpointing
-    if checkpointed is None:
-        checkpointed = wants_checkpointing(model, plain, device_bytes)
-    if checkpointed:
+    if checkpointing:
         return max(1, int(free // token_bytes(model, checkpointed=True)))
-    return max(1, plain)
+    per_token = token_bytes(model, checkpointed=False)
+    if checkpointing is None:
+        free = min(free, CHECKPOINT_ABOVE_FRACTION * device_bytes)
+    tokens = max(1, int(free // per_token))
+    while checkpointing is None and tokens > 1 and wants_checkpointing(model, tokens, device_bytes):
+        tokens -= 1  # the threshold's own rounding
+    return tokens
 
 
 def pass_tokens(
@@ -129,11 +131,3 @@ def pass_tokens(
     if device.type == "cuda":
         return cuda_pass_tokens(model, device_memory(device), weights_bytes, checkpointing)
     return cpu_pass_tokens(model.config.vocab_size)
-
-
-def _linear_inputs(model: PreTrainedModel) -> int:
-    """The summed input features of one decoder layer's linears (the first layer's)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        return 0
-    return sum(m.in_features for m in layers[0].modules() if isinstance(m, nn.Linear))
