@@ -246,7 +246,7 @@ class SampleBatches:
         weights are ready (a sampler snapshot still to be rebuilt waits for its own wake-up), in
         order, as long as their KV fits in `room` tokens (the first that does not ends the list,
         so that a large sample is not passed over for ever; one larger than the whole budget
-        goes in, to be refused with the numbers); takes the lock of each other session it
+        goes in alone, when the batch holds nothing else); takes the lock of each other session it
         includes (skipping a busy one). And whether no other kind of operation waits on this
         worker (False: the batch should take no more)."""
         found: list[tuple[SessionRow, operations.OperationRow, Sample]] = []
@@ -284,7 +284,7 @@ class SampleBatches:
                 ):
                     continue
                 need = sample_kv_need(payload)
-                if need > room and need <= budget:
+                if need > room and not (need > budget and room == budget):
                     room = 0  # it waits for room: so do those after it
                     continue
                 found.append((s, op, payload))

@@ -1,8 +1,7 @@
 """The sampler's KV budget (sampling/kv_pool.py): a prompt's keys and values are written once for
 all of its samples; the pool is allocated once and written in place; jobs beyond the budget
 wait, in order, and join when room frees, never holding more than the budget; a job added while
-the batch decodes joins at the next step; one larger than the whole budget is refused with the
-numbers. Every job's tokens and logprobs are still those it gets alone."""
+the batch decodes joins at the next step; one larger than the whole budget runs alone. Every job's tokens and logprobs are still those it gets alone."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from treadle.engine import Engine, SampleRequest, SampleResult, SamplingSpec
 from treadle.engine.lora.adapters import LoraHost
 from treadle.engine.sampling.decode import DecodeBatch, SampleJob, generate_batch
 from treadle.engine.sampling.kv_pool import kv_need
-from treadle.platform.errors import OperationCancelledError, ValidationError
+from treadle.platform.errors import OperationCancelledError
 from treadle.platform.models.catalog import TINY_DEBUG_NAME
 
 PROMPT = list(range(3, 23))  # 20 tokens
@@ -124,20 +123,28 @@ def test_a_job_added_while_the_batch_decodes_joins_at_the_next_step(
     _assert_same(_alone(llama, short), results["short"])
 
 
-def test_a_job_over_the_whole_budget_is_refused_with_the_numbers(
+def test_a_job_over_the_whole_budget_runs_alone_after_the_others(
     llama: tuple[torch.nn.Module, LoraHost],
 ) -> None:
+    """A job needing more than the whole budget waits until nothing else holds any KV, runs
+    alone in a pool of its own size (those behind it wait), and the budget's pool comes back."""
+    first, big, after = _job(2, 10, seed=6), _job(8, 12, seed=7), _job(1, 3, seed=8)
     batch = _batch(llama, 100)
-    good = _job(2, 10, seed=6)
-    finished = dict(batch.add([("big", _job(8, 12, seed=7)), ("good", good)]))
-    error = finished.pop("big")
-    assert isinstance(error, ValidationError)
-    assert "needs 108 tokens of KV cache" in str(error)
-    assert "8 samples x 12 max_tokens" in str(error)
-    assert "whole KV budget is 100 tokens" in str(error)
+    assert kv_need(len(PROMPT), 8, 12) == 108
+    results = dict(batch.add([("first", first), ("big", big), ("after", after)]))
+    assert batch.waiting == ["big", "after"]
+    ran_alone = False
     while len(batch):
-        finished.update(batch.step())
-    _assert_same(_alone(llama, good), finished["good"])
+        results.update(batch.step())
+        assert batch.kv.reserved <= batch.kv.tokens
+        if "big" in batch._states:
+            ran_alone = True
+            assert "first" not in batch and batch.waiting == ["after"]
+            assert batch.kv.tokens == 108
+    assert ran_alone
+    assert batch.kv.tokens == batch.kv.budget == 100
+    for key, job in (("first", first), ("big", big), ("after", after)):
+        _assert_same(_alone(llama, job), results[key])
 
 
 def test_a_waiting_job_can_be_cancelled(llama: tuple[torch.nn.Module, LoraHost]) -> None:

@@ -4,7 +4,8 @@ Owns `SampleJob` (one validated request: prompt, count, `SamplingSpec`, prompt s
 adapter weights to sample with) and `DecodeBatch`, a continuous batch within a KV budget: a job
 reserves the most KV slots it can use (its prompt once, plus each sample's tokens but the last)
 and joins at the next decoding step if they fit, else it waits, in order of arrival, until
-enough leave; a job that needs more than the whole budget gets a ValidationError. Joining jobs'
+enough leave; a job that needs more than the whole budget runs alone, once the others are done,
+in a pool of its own size. Joining jobs'
 prompts are prefilled together, each prompt's keys and values written once into the batch's
 `kv_pool` and read by all of its samples; every step writes each row's new token into a slot of
 the pool, in place, and decodes all rows in one forward pass, each row with its own job's
@@ -231,18 +232,13 @@ class DecodeBatch:
 
     def add(self, jobs: Sequence[tuple[Key, SampleJob]]) -> Finished:
         """Queue `jobs`; those whose KV fits in the budget (in order of arrival, behind any
-        already waiting) are prefilled now (their prompts scored) and decode from the next step.
-        Returns those already finished: nothing to sample, or more KV than the whole budget."""
-        finished: Finished = []
+        already waiting) are prefilled now (their prompts scored) and decode from the next step
+        (one larger than the whole budget: alone, once nothing else holds any). Returns those
+        already finished (nothing to sample)."""
         for key, job in jobs:
-            if key in self:
-                continue
-            need = _kv_need(job)
-            if need > self.kv.tokens:
-                finished.append((key, _over_budget(job, need, self.kv.tokens)))
-            else:
+            if key not in self:
                 self._waiting[key] = job
-        return finished + self._admit()
+        return self._admit()
 
     def step(self, interrupt: Callable[[], None] | None = None) -> Finished:
         """Let the waiting jobs that now fit join, then one token for every live row (each job
@@ -301,9 +297,12 @@ class DecodeBatch:
         returns those finished at once."""
         jobs: list[tuple[Key, SampleJob]] = []
         for key, job in self._waiting.items():
-            if not self.kv.fits(_kv_need(job)):
+            need = _kv_need(job)
+            if need > self.kv.budget and not self.kv.reserved:  # alone, in a pool of its size
+                self.kv.resize(need)
+            if not self.kv.fits(need):
                 break
-            self.kv.reserve(_kv_need(job))
+            self.kv.reserve(need)
             jobs.append((key, job))
         if not jobs:
             return []
@@ -332,6 +331,8 @@ class DecodeBatch:
         self.kv.give(state.slots)
         self.kv.release(_kv_need(state.job))
         state.slots = []
+        if not self.kv.reserved and self.kv.tokens != self.kv.budget:
+            self.kv.resize(self.kv.budget)  # a job larger than the budget ran alone: it is over
 
     def _prefill_groups(
         self, jobs: list[tuple[Key, SampleJob]]
@@ -485,16 +486,6 @@ class _Rows:
 
 def _kv_need(job: SampleJob) -> int:
     return kv_need(len(job.prompt), job.num_samples, job.params.max_tokens)
-
-
-def _over_budget(job: SampleJob, need: int, budget: int) -> ValidationError:
-    return ValidationError(
-        f"this request needs {need:,} tokens of KV cache (a prompt of {len(job.prompt):,} "
-        f"tokens, then {job.num_samples} samples x {job.params.max_tokens:,} max_tokens, less "
-        f"the last token of each) but the sampler's whole KV budget is {budget:,} tokens; "
-        "lower num_samples or max_tokens (or send the samples as several requests), or ask "
-        "the operator for a larger TREADLE_SAMPLER_KV_TOKENS"
-    )
 
 
 def _prefill_logits(jobs: Sequence[tuple[Key, SampleJob]]) -> int:

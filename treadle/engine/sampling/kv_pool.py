@@ -3,7 +3,8 @@
 Owns `KvPool`: per attention layer one keys and one values tensor of `tokens` slots (plus one
 slot of zeros that padding reads), allocated when the layer first runs and never grown or
 copied; the budget's bookkeeping (a job reserves the most slots it can use before it joins, and
-gives them back when it leaves) and the slots themselves (each token written once, into a free
+gives them back when it leaves; one larger than the whole budget runs alone in a pool of its
+own size, `resize`) and the slots themselves (each token written once, into a free
 slot). `PooledCache` is the transformers `Cache` over it: a prefill writes each prompt token into
 its slot and attends to the prompt as computed; a decoding step writes each row's new token into
 its slot and gathers every row's tokens (its prompt's slots, read by all of the prompt's
@@ -46,13 +47,22 @@ class KvPool:
 
     def __init__(self, tokens: int, layers: int) -> None:
         assert tokens >= 0, tokens
-        self.tokens = tokens
-        self.pad = tokens  # the slot of zeros: left padding reads it (never garbage, never NaN)
+        self.budget = tokens
         self.reserved = 0  # slots promised to the jobs in the batch (at most `tokens`)
         self.peak = 0  # the most slots holding tokens at once
-        self._free = list(range(tokens - 1, -1, -1))  # `take` hands out the lowest first
         self.plan = Plan(past=0, dst=torch.empty(0, dtype=torch.long))
         self.layers = [_PooledLayer(self) for _ in range(layers)]
+        self.resize(tokens)
+
+    def resize(self, tokens: int) -> None:
+        """Hold `tokens` slots from now on (the pool empty: a job larger than the whole budget
+        runs alone in a pool of its own size, and the budget's comes back after it)."""
+        assert self.reserved == 0, self.reserved
+        self.tokens = tokens
+        self.pad = tokens  # the slot of zeros: left padding reads it (never garbage, never NaN)
+        self._free = list(range(tokens - 1, -1, -1))  # `take` hands out the lowest first
+        for layer in self.layers:
+            layer.reset()
 
     @property
     def in_use(self) -> int:
@@ -136,6 +146,11 @@ class _PooledLayer(CacheLayerMixin):
             keys.index_select(0, flat).view(rows, columns, *keys.shape[1:]).transpose(1, 2),
             values.index_select(0, flat).view(rows, columns, *values.shape[1:]).transpose(1, 2),
         )
+
+    def reset(self) -> None:
+        """Drop the slots (allocated again, at the pool's size, when the layer next runs)."""
+        self.keys = self.values = None
+        self.is_initialized = False
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._pool.plan.past + query_length, 0
