@@ -24,7 +24,6 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -37,6 +36,7 @@ from treadle.engine.sampling.prompt_scores import (
     score_prompt,
     topk_logprobs,
 )
+from treadle.engine.sampling.rows import Rows
 from treadle.engine.sampling.rules import (
     ALT_SEED_OFFSET,
     EosIds,
@@ -197,7 +197,7 @@ class DecodeBatch:
         self._waiting: dict[Key, SampleJob] = {}  # in order of arrival, until their KV fits
         self._states: dict[Key, _Decoding] = {}
         self._owner_R: list[Key] = []  # each row's job
-        self._rows: _Rows | None = None
+        self._rows: Rows | None = None
         self.steps = 0  # decoding steps run
 
     def __len__(self) -> int:
@@ -349,7 +349,7 @@ class DecodeBatch:
                 groups.append([(key, job)])
         return groups
 
-    def _prefill(self, jobs: list[SampleJob], states: list[_Decoding]) -> _Rows:
+    def _prefill(self, jobs: list[SampleJob], states: list[_Decoding]) -> Rows:
         """The jobs' prompts in one left-padded forward pass, their keys and values written
         into the pool once per prompt: their prompt scores, and one row per sample holding the
         logits of its first token and reading its prompt's slots."""
@@ -395,7 +395,7 @@ class DecodeBatch:
             )
         owner_R = [j for j, job in enumerate(jobs) for _ in range(job.num_samples)]
         rows_R = torch.tensor(owner_R, dtype=torch.long, device=self._device)
-        return _Rows(
+        return Rows(
             logits_R_V=out.logits[owner_R, -1].float(),
             mask_R_L=mask_J_L[rows_R],
             read_R_L=read_J_L[rows_R],
@@ -405,7 +405,7 @@ class DecodeBatch:
             ),
         )
 
-    def _forward(self, rows: _Rows, chosen_R: torch.Tensor) -> _Rows:
+    def _forward(self, rows: Rows, chosen_R: torch.Tensor) -> Rows:
         """Each row's token `chosen_R` written into a new slot of the pool, and the logits of
         the token after it."""
         new = self.kv.take(len(chosen_R))
@@ -432,56 +432,14 @@ class DecodeBatch:
         )
 
     def _without_done(
-        self, states: dict[Key, _Decoding], owner_R: list[Key], rows: _Rows
-    ) -> tuple[list[Key], _Rows]:
+        self, states: dict[Key, _Decoding], owner_R: list[Key], rows: Rows
+    ) -> tuple[list[Key], Rows]:
         """Drop the rows of jobs that sample nothing (max_tokens 0)."""
         live = [i for i, key in enumerate(owner_R) if not states[key].done]
         if len(live) == len(owner_R):
             return owner_R, rows
         keep_R = torch.tensor(live, dtype=torch.long, device=self._device)
         return [owner_R[i] for i in live], rows.selected(keep_R)
-
-
-@dataclass
-class _Rows:
-    """The decoding rows: the logits of each row's next token, the attention mask [R, L] (0 on
-    left padding), the pool slot of each row's token in each column [R, L] (the zero slot on
-    left padding), each row's next position and adapter."""
-
-    logits_R_V: torch.Tensor
-    mask_R_L: torch.Tensor
-    read_R_L: torch.Tensor
-    next_R: torch.Tensor
-    adapters: RowAdapters
-
-    def selected(self, keep_R: torch.Tensor) -> _Rows:
-        """Only the rows `keep_R`, with the columns that are padding in all of them cropped."""
-        mask_R_L = self.mask_R_L[keep_R]
-        read_R_L = self.read_R_L[keep_R]
-        lead = int((mask_R_L.sum(dim=0) == 0).long().cumprod(dim=0).sum().item())
-        return _Rows(
-            logits_R_V=self.logits_R_V[keep_R],
-            mask_R_L=mask_R_L[:, lead:],
-            read_R_L=read_R_L[:, lead:],
-            next_R=self.next_R[keep_R],
-            adapters=self.adapters.selected(keep_R.tolist()),
-        )
-
-    def merged(self, other: _Rows, pad: int) -> _Rows:
-        """These rows and then `other`'s, both left-padded to the longer of the two (`pad`:
-        the pool's zero slot)."""
-        width = max(self.mask_R_L.shape[1], other.mask_R_L.shape[1])
-        return _Rows(
-            logits_R_V=torch.cat([self.logits_R_V, other.logits_R_V]),
-            mask_R_L=torch.cat(
-                [_pad_left(self.mask_R_L, width, 0), _pad_left(other.mask_R_L, width, 0)]
-            ),
-            read_R_L=torch.cat(
-                [_pad_left(self.read_R_L, width, pad), _pad_left(other.read_R_L, width, pad)]
-            ),
-            next_R=torch.cat([self.next_R, other.next_R]),
-            adapters=self.adapters.merged(other.adapters),
-        )
 
 
 def _kv_need(job: SampleJob) -> int:
@@ -506,14 +464,6 @@ def _check_layer_types(config: PreTrainedConfig) -> None:
             f"{' and '.join(sorted(_LAYER_TYPES))} layers, so sample a base model whose layers "
             "are all of those types"
         )
-
-
-def _pad_left(t_R_L: torch.Tensor, width: int, value: int) -> torch.Tensor:
-    """`t_R_L` with `value` before its first column up to `width` columns."""
-    missing = width - t_R_L.shape[1]
-    if missing == 0:
-        return t_R_L
-    return F.pad(t_R_L, (missing, 0), value=value)
 
 
 def generate_batch(
