@@ -117,7 +117,8 @@ class _PooledLayer(CacheLayerMixin):
         slots = self._pool.tokens + 1
         _, heads, _, key_dim = key_states.shape
         self.device = key_states.device
-        # empty, not zeros: on the CPU a page is resident once a token is written into it
+        # empty, not zeros: only written slots are read (padding reads the zero slot), and on
+        # the CPU a freshly mapped page becomes resident only once a token is written into it
         self.keys = key_states.new_empty(slots, heads, key_dim)
         self.values = value_states.new_empty(slots, value_states.shape[1], value_states.shape[3])
         self.keys[self._pool.pad] = 0
