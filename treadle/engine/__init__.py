@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         Topology,
     )
     from treadle.engine.sampling.decode import Key, SampleRequest
+    from treadle.engine.sampling.kv_pool import kv_need
     from treadle.engine.sampling.prompt_scores import PromptScoring, PromptTargets
     from treadle.engine.sampling.rules import SampledSequence, SampleResult, SamplingSpec
 
@@ -73,6 +74,7 @@ _WHERE = {
     "follow": "treadle.engine.distributed.executor",
     "heap": "treadle.engine.memory.heap",
     "init_from_env": "treadle.engine.distributed.group",
+    "kv_need": "treadle.engine.sampling.kv_pool",
     "leave": "treadle.engine.distributed.group",
 }
 
@@ -116,5 +118,6 @@ __all__ = [
     "model_footprint",
     "heap",
     "init_from_env",
+    "kv_need",
     "leave",
 ]

@@ -61,6 +61,7 @@ from treadle.engine.sampling.rules import (
     SamplingSpec,
 )
 from treadle.engine.training import Base
+from treadle.platform.config import DEFAULT_SAMPLER_KV_TOKENS
 from treadle.platform.errors import (
     ConflictError,
     NotFoundError,
@@ -116,6 +117,7 @@ class Engine:
         parallel: Parallelism = ALONE,
         microbatch_tokens: int | None = None,
         dtype: torch.dtype | None = None,
+        sampler_kv_tokens: int = DEFAULT_SAMPLER_KV_TOKENS,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         # A base model's registry entry by name (the worker's `ModelRegistry.get`; the built-ins
@@ -129,6 +131,9 @@ class Engine:
         # grain a worker group splits a request at (None: the device's, `passes.pass_tokens`).
         self.microbatch_tokens = microbatch_tokens
         self.pack_cpu_weights = pack_cpu_weights
+        # The sampler's KV budget, in tokens per attention layer: a sample batch holds at most
+        # this many tokens' keys and values (`sampling.kv_pool`); requests beyond it wait.
+        self.sampler_kv_tokens = sampler_kv_tokens
         # Recompute each decoder layer in the backward instead of keeping its activations (same
         # grads, a third more compute); None: where a training pass is big enough to save memory
         # (`chunked_logprobs.wants_checkpointing`).
@@ -606,6 +611,7 @@ class SampleBatch:
             # else the tokenizer's
             eos_token_id=base.info.eos_token_ids or tokenizer.eos_token_id,
             decode=lambda ids: str(tokenizer.decode(ids)),
+            kv_tokens=engine.sampler_kv_tokens,
         )
 
     def __len__(self) -> int:
@@ -633,7 +639,9 @@ class SampleBatch:
 
     def step(self, interrupt: Interrupt | None = None) -> batching.Finished:
         with self._engine._lock:
-            work = self._decoding.rows * self._parameters
+            # the rows decoding, or the prompts of those waiting that may join (an upper bound)
+            rows = max(self._decoding.rows, self._decoding.waiting_prompt_tokens)
+            work = rows * self._parameters
             with threads_for(work, self._engine.device):
                 return self._decoding.step(interrupt)
 

@@ -64,6 +64,7 @@ def new_engine(
         models=registry.ModelRegistry(database).get,
         parallel=ALONE if group is None else group,
         microbatch_tokens=config.microbatch_tokens or None,
+        sampler_kv_tokens=config.sampler_kv_tokens,
     )
 
 

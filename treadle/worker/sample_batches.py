@@ -2,8 +2,11 @@
 
 A sample's wake-up starts a batch on its base model (`SampleBatches.run`): the samples that
 arrive right after it are gathered before its first step (`SAMPLE_GATHER_*`), more join between
-decoding steps while the batch is young (`SAMPLE_JOIN_WINDOW_SECONDS`), each leaves as soon as it
-is done and is settled at once. Each sample runs under its own interrupt (`running.Running`), so
+any two decoding steps, as many as the sampler's KV budget has room for (`kv_need` of each
+against `sampler_kv_tokens`; the others stay pending until samples leave), until another kind of
+operation waits on this worker: then the batch takes no more and ends when its samples are done,
+so a stream of samples never starves training. Each sample leaves as soon as it is done and is
+settled at once. Each sample runs under its own interrupt (`running.Running`), so
 cancelling one stops only it; the streams of those streamed to their clients are written after
 every step (`streaming`). Imports platform and the engine; never api.
 """
@@ -20,7 +23,7 @@ from typing import Protocol
 import redis
 import sqlalchemy as sa
 
-from treadle.engine import EngineAPI, Key, SampleBatchAPI, SampleRequest, SampleResult
+from treadle.engine import EngineAPI, Key, SampleBatchAPI, SampleRequest, SampleResult, kv_need
 from treadle.platform.config import PlatformConfig
 from treadle.platform.eventlog import events, progress
 from treadle.platform.eventlog.optypes import OpType, Payload, Sample, parse_payload
@@ -32,16 +35,12 @@ from treadle.worker import handlers, streaming
 from treadle.worker.running import Running, WorkerClosing, error_of
 from treadle.worker.settle import Settler
 
-__all__ = ["SAMPLE_BATCH_LIMIT", "BatchHost", "SampleBatches"]
+__all__ = ["BatchHost", "SampleBatches", "sample_kv_need"]
 
 log = logging.getLogger(__name__)
 
-# The most sample operations decoding together in one engine batch.
-SAMPLE_BATCH_LIMIT = 32
-# Samples arriving while a batch runs join it between decoding steps during its first seconds
-# only, so that a stream of samples never starves the training operations queued behind it;
-# the database is asked for them at most this often.
-SAMPLE_JOIN_WINDOW_SECONDS = 2.0
+# Samples arriving while a batch runs join it between decoding steps; the database is asked for
+# them at most this often.
 SAMPLE_LOOK_INTERVAL_SECONDS = 0.02
 # A batch gathers the samples that arrive right after its first before its first step: it
 # starts once none has come for SAMPLE_GATHER_QUIET_SECONDS (looking every
@@ -66,6 +65,7 @@ class _Sampling:
     payload: Sample
     run: Running
     started: float
+    kv: int  # the KV tokens it holds at most (`sample_kv_need`)
 
 
 class BatchHost(Protocol):
@@ -106,8 +106,9 @@ class SampleBatches:
 
     def run(self, session: SessionRow, first: operations.OperationRow, payload: Payload) -> None:
         """Run `first` (its request's `payload`) in one continuous batch with the samples
-        waiting on this worker's sessions; more join between decoding steps while the batch is
-        young, and each is settled as soon as it finishes (called holding `session`'s lock)."""
+        waiting on this worker's sessions; more join between decoding steps while the KV budget
+        has room and no other kind of operation waits, and each is settled as soon as it
+        finishes (called holding `session`'s lock)."""
         assert isinstance(payload, Sample)
         if payload.snapshot_id and not payload.checkpoint_prefix:
             self.host.ensure_snapshot(session, payload.snapshot_id)
@@ -118,14 +119,16 @@ class SampleBatches:
             try:
                 gathered = self._gather(session, (session, first, payload), locks)
                 self._admit(batch, gathered, admitted, streams)
-                started = looked = time.monotonic()
+                looked = time.monotonic()
+                joining_open = True  # until another kind of operation waits on this worker
                 while True:
                     now = time.monotonic()
-                    if now - started < SAMPLE_JOIN_WINDOW_SECONDS and (
+                    if joining_open and (
                         now - looked >= SAMPLE_LOOK_INTERVAL_SECONDS or not len(batch)
                     ):
-                        room = SAMPLE_BATCH_LIMIT - len(batch)
-                        joining = self._waiting_samples(session, set(admitted), locks, room)
+                        joining, joining_open = self._waiting_samples(
+                            session, set(admitted), locks, self._room(admitted)
+                        )
                         self._admit(batch, joining, admitted, streams)
                         looked = now
                     if not len(batch):
@@ -153,8 +156,9 @@ class SampleBatches:
     ) -> list[tuple[SessionRow, operations.OperationRow, Sample]]:
         """`first` and the samples that arrive right after it (see SAMPLE_GATHER_*)."""
         gathered = [first]
+        room = self.host.config.sampler_kv_tokens - sample_kv_need(first[2])
         started = last = time.monotonic()
-        while len(gathered) < SAMPLE_BATCH_LIMIT and not self.host.closing.is_set():
+        while room > 0 and not self.host.closing.is_set():
             now = time.monotonic()
             if (
                 now - last >= SAMPLE_GATHER_QUIET_SECONDS
@@ -163,11 +167,16 @@ class SampleBatches:
                 break
             time.sleep(SAMPLE_GATHER_LOOK_SECONDS)
             taken = {op.request_id for _, op, _ in gathered}
-            room = SAMPLE_BATCH_LIMIT - len(gathered)
-            if more := self._waiting_samples(session, taken, locks, room):
+            more, _ = self._waiting_samples(session, taken, locks, room)
+            if more:
                 gathered += more
+                room -= sum(sample_kv_need(p) for _, _, p in more)
                 last = time.monotonic()
         return gathered
+
+    def _room(self, admitted: dict[str, _Sampling]) -> int:
+        """The KV tokens of the sampler's budget that the batch's samples do not hold."""
+        return self.host.config.sampler_kv_tokens - sum(s.kv for s in admitted.values())
 
     def _admit(
         self,
@@ -182,7 +191,9 @@ class SampleBatches:
         failed: list[tuple[Key, SampleResult | Exception]] = []
         for session, op, payload in samples:
             run = Running(self.host.closing, op, self.host.config.op_time_limit_seconds)
-            admitted[op.request_id] = _Sampling(session, op, payload, run, time.perf_counter())
+            admitted[op.request_id] = _Sampling(
+                session, op, payload, run, time.perf_counter(), sample_kv_need(payload)
+            )
             self.running[op.request_id] = run
             call = dataclasses.replace(self.host.call(session, op), interrupt=run.check)
             try:
@@ -229,31 +240,38 @@ class SampleBatches:
         session: SessionRow,
         admitted: set[str],
         locks: contextlib.ExitStack,
-        limit: int,
-    ) -> list[tuple[SessionRow, operations.OperationRow, Sample]]:
-        """Up to `limit` other pending samples of this worker's active sessions on the same base
-        model, whose weights are ready (a sampler snapshot still to be rebuilt waits for its own
-        wake-up); takes the lock of each other session it includes (skipping a busy one)."""
+        room: int,
+    ) -> tuple[list[tuple[SessionRow, operations.OperationRow, Sample]], bool]:
+        """Other pending samples of this worker's active sessions on the same base model, whose
+        weights are ready (a sampler snapshot still to be rebuilt waits for its own wake-up), in
+        order, as long as their KV fits in `room` tokens (the first that does not ends the list,
+        so that a large sample is not passed over for ever; one larger than the whole budget
+        goes in alone, when the batch holds nothing else); takes the lock of each other session it
+        includes (skipping a busy one). And whether no other kind of operation waits on this
+        worker (False: the batch should take no more)."""
         found: list[tuple[SessionRow, operations.OperationRow, Sample]] = []
-        if limit <= 0:
-            return found
+        budget = self.host.config.sampler_kv_tokens
+        only_samples = True
         with self.host.db.connect() as conn:
             mine = leases.sessions_leased_to(conn, self.host.worker_id)
             pending = operations.stale_pending(conn, mine, 0.0)
             sessions: dict[str, SessionRow | None] = {session.id: session}
             for other_session, other_request in pending:
-                if len(found) >= limit:
-                    break
                 if other_request in admitted:
                     continue
+                op = operations.get_operation(conn, None, other_request)
+                if op.is_done:
+                    continue
+                if op.sampler_id is None or op.type != OpType.SAMPLE:
+                    only_samples = False  # e.g. a forward_backward, or a loadWeightsForSampling
+                    continue
+                if room <= 0:
+                    continue  # full: only looking for other kinds of operation now
                 if other_session not in sessions:
                     sessions[other_session] = self._joinable(conn, other_session, locks)
                 s = sessions[other_session]
                 if s is None or s.base_model != session.base_model:
                     continue
-                op = operations.get_operation(conn, None, other_request)
-                if op.sampler_id is None or op.is_done or op.type != OpType.SAMPLE:
-                    continue  # not a sample (a loadWeightsForSampling runs on its own wake-up)
                 payload = parse_payload(
                     op.type, events.read_at(conn, op.request_position).data["payload"]
                 )
@@ -265,8 +283,13 @@ class SampleBatches:
                     and not self.host.engine.has_snapshot(snap)
                 ):
                     continue
+                need = sample_kv_need(payload)
+                if need > room and not (need > budget and room == budget):
+                    room = 0  # it waits for room: so do those after it
+                    continue
                 found.append((s, op, payload))
-        return found
+                room -= need
+        return found, only_samples
 
     def _joinable(
         self, conn: sa.Connection, session_id: str, locks: contextlib.ExitStack
@@ -281,3 +304,8 @@ class SampleBatches:
             return None
         locks.callback(lock.release)
         return s
+
+
+def sample_kv_need(payload: Sample) -> int:
+    """The most tokens of KV cache the sample `payload` holds in a batch (`kv_need`)."""
+    return kv_need(len(payload.prompt), payload.num_samples, payload.params.max_tokens)

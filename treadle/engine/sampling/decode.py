@@ -1,15 +1,19 @@
 """Sampling many requests in one batch: the decode loop every sample goes through.
 
 Owns `SampleJob` (one validated request: prompt, count, `SamplingSpec`, prompt scoring, the
-adapter weights to sample with) and `DecodeBatch`, a continuous batch: jobs join between decoding
-steps (their prompts prefilled together, left-padded, with an attention mask and positions, each
-KV cache row expanded to `num_samples` rows and merged into the running cache) and leave as soon
-as they finish. Every step decodes all rows in one forward pass, each row with its own job's
-adapter (`LoraHost.use_rows` with `RowAdapters`). Every job draws from its own seeded generator in
-the same order as it would alone, so a job's tokens do not depend on its neighbours or on when it
-joined. Every layer's cache grows (sliding-window layers too: see `_LAYER_TYPES`).
-`generate_batch` runs a fixed set of jobs to the end. One result or one error per job. Must not
-import flask, sqlalchemy, celery or treadle.api.
+adapter weights to sample with) and `DecodeBatch`, a continuous batch within a KV budget: a job
+reserves the most KV slots it can use (its prompt once, plus each sample's tokens but the last)
+and joins at the next decoding step if they fit, else it waits, in order of arrival, until
+enough leave; a job that needs more than the whole budget runs alone, once the others are done,
+in a pool of its own size. Joining jobs'
+prompts are prefilled together, each prompt's keys and values written once into the batch's
+`kv_pool` and read by all of its samples; every step writes each row's new token into a slot of
+the pool, in place, and decodes all rows in one forward pass, each row with its own job's
+adapter (`LoraHost.use_rows` with `RowAdapters`). Rows are left-padded to a common length, with
+an attention mask and explicit positions. Every job draws from its own seeded generator in the
+same order as it would alone, so a job's tokens do not depend on its neighbours or on when it
+joined. `generate_batch` runs a fixed set of jobs to the end. One result or one error per job.
+Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
@@ -18,21 +22,21 @@ import dataclasses
 import secrets
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from treadle.engine.lora.adapters import LoraHost, LoraWeights, RowAdapters
 from treadle.engine.losses.functions import MICROBATCH_LOGITS
+from treadle.engine.sampling.kv_pool import KvPool, Plan, PooledCache, kv_need
 from treadle.engine.sampling.prompt_scores import (
     PromptScores,
     PromptScoring,
     score_prompt,
     topk_logprobs,
 )
+from treadle.engine.sampling.rows import Rows
 from treadle.engine.sampling.rules import (
     ALT_SEED_OFFSET,
     EosIds,
@@ -44,20 +48,19 @@ from treadle.engine.sampling.rules import (
     sampling_logits,
     stop_rules,
 )
+from treadle.platform.config import DEFAULT_SAMPLER_KV_TOKENS
 from treadle.platform.errors import ValidationError
 from treadle.platform.models.structure import CACHED_LAYER_TYPES
 
 __all__ = ["DecodeBatch", "SampleJob", "SampleRequest", "generate_batch"]
 
-# The attention layer types (transformers' `layer_types`) whose cache can be a plain growing
-# `DynamicLayer`, cropped and merged column by column. A sliding-window layer's mask is built by
-# the model from its config, per layer type, over cache columns: as every row's tokens sit in
-# consecutive columns (padding only on the left), a window over columns is the window over the
-# row's own tokens, so a full cache gives exactly the tokens of the model without one. It keeps
-# all keys of a sliding layer, not only the last window's: more memory than needed (and more
-# attention work), the price of one column layout for every layer. transformers'
-# `DynamicSlidingWindowLayer` drops old columns and counts the ones it has seen, which cropping
-# and merging rows (`_Rows`) would have to keep consistent with the attention mask.
+# The attention layer types (transformers' `layer_types`) whose keys the pool can keep, every
+# row's gathered into consecutive columns. A sliding-window layer's mask is built by the model
+# from its config, per layer type, over those columns: as every row's tokens sit in consecutive
+# columns (padding only on the left), a window over columns is the window over the row's own
+# tokens, so a full cache gives exactly the tokens of the model without one. It keeps all keys
+# of a sliding layer, not only the last window's: more memory than needed (and more attention
+# work), the price of one slot layout for every layer.
 # The one list, which registration also checks (`platform/models/structure.py`).
 _LAYER_TYPES = CACHED_LAYER_TYPES
 
@@ -109,6 +112,7 @@ class _Decoding:
         self.done = job.params.max_tokens == 0
         self.error: Exception | None = None
         self.scores = PromptScores()
+        self.slots: list[int] = []  # the pool slots of its tokens (its prompt's, then its rows')
 
     def step(self, logits_N_V: torch.Tensor, decode: Callable[[list[int]], str]) -> torch.Tensor:
         """Draw each row's next token (as `sampler` alone would); returns them, [N]."""
@@ -162,9 +166,11 @@ Finished = list[tuple[Key, SampleResult | Exception]]
 
 
 class DecodeBatch:
-    """A running batch that jobs join (`add`, between steps) and leave (when done, in what
-    `step` returns). Each live row holds the logits of its next token; the KV cache has one row
-    per sample, left-padded to a common length, with an attention mask and explicit positions.
+    """A running batch that jobs join (`add`; they decode from the next step once their KV
+    fits in the budget, `kv_tokens` slots per layer) and leave (when done, in what `step`
+    returns). Each live row holds the logits of its next token; rows read their tokens' KV from
+    the pool (`kv_pool`), left-padded to a common length, with an attention mask and explicit
+    positions.
 
     Not thread-safe: the caller serialises `add` and `step`.
     """
@@ -176,6 +182,7 @@ class DecodeBatch:
         *,
         eos_token_id: EosIds,
         decode: Callable[[list[int]], str],
+        kv_tokens: int = DEFAULT_SAMPLER_KV_TOKENS,
     ) -> None:
         self._model = model
         self._host = host
@@ -184,59 +191,69 @@ class DecodeBatch:
         self._device = next(model.parameters()).device
         self._kwarg = cache_kwarg(model)
         _check_layer_types(model.config)
+        layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+        self.kv = KvPool(kv_tokens, layers)
+        self._cache = PooledCache(self.kv)
+        self._waiting: dict[Key, SampleJob] = {}  # in order of arrival, until their KV fits
         self._states: dict[Key, _Decoding] = {}
-        self._owner_R: list[Key] = []  # each cache row's job
-        self._rows: _Rows | None = None
+        self._owner_R: list[Key] = []  # each row's job
+        self._rows: Rows | None = None
+        self.steps = 0  # decoding steps run
 
     def __len__(self) -> int:
-        """Jobs still decoding."""
-        return len(self._states)
+        """Jobs decoding or waiting to."""
+        return len(self._states) + len(self._waiting)
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._states
+        return key in self._states or key in self._waiting
 
     @property
     def rows(self) -> int:
         """Rows decoding (each job's samples), what the next step's forward pass computes."""
         return len(self._owner_R)
 
+    @property
+    def waiting(self) -> list[Key]:
+        """The jobs waiting for room in the KV budget, first come first."""
+        return list(self._waiting)
+
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        return sum(len(job.prompt) for job in self._waiting.values())
+
     def drawn(self, key: Key) -> tuple[list[list[int]], list[list[float]]]:
-        """What job `key` (still decoding) has drawn so far: each sample's tokens and their
+        """What job `key` (decoding or waiting) has drawn so far: each sample's tokens and their
         logprobs (live lists: copy what must not change at the next step)."""
+        if key in self._waiting:
+            n = self._waiting[key].num_samples
+            return [[] for _ in range(n)], [[] for _ in range(n)]
         state = self._states[key]
         return state.tokens_N, state.logprobs_N
 
     def add(self, jobs: Sequence[tuple[Key, SampleJob]]) -> Finished:
-        """Prefill `jobs` together (scoring their prompts) and let their rows join the batch;
-        returns those already finished (nothing to sample)."""
-        jobs = [(key, job) for key, job in jobs if key not in self._states]
-        if not jobs:
-            return []
-        states = {key: _Decoding(job, self._device, self._eos_token_id) for key, job in jobs}
-        with torch.inference_mode():
-            for group in self._prefill_groups(jobs):
-                rows = self._prefill([job for _, job in group], [states[key] for key, _ in group])
-                owner_R = [key for key, job in group for _ in range(job.num_samples)]
-                owner_R, rows = self._without_done(states, owner_R, rows)
-                if self._rows is None or not self._owner_R:
-                    self._rows = rows
-                    self._owner_R = owner_R
-                elif owner_R:
-                    self._rows = self._rows.merged(rows)
-                    self._owner_R = self._owner_R + owner_R
-        self._states.update({key: s for key, s in states.items() if not s.done})
-        return [(key, s.result()) for key, s in states.items() if s.done]
+        """Queue `jobs`; those whose KV fits in the budget (in order of arrival, behind any
+        already waiting) are prefilled now (their prompts scored) and decode from the next step
+        (one larger than the whole budget: alone, once nothing else holds any). Returns those
+        already finished (nothing to sample)."""
+        for key, job in jobs:
+            if key not in self:
+                self._waiting[key] = job
+        return self._admit()
 
     def step(self, interrupt: Callable[[], None] | None = None) -> Finished:
-        """One token for every live row (each job drawing from its own generator), then one
-        forward pass over the rows still decoding; returns the jobs that finished. What
-        `interrupt` raises ends the call with the batch unchanged; what a job's own `interrupt`
-        raises becomes that job's result."""
+        """Let the waiting jobs that now fit join, then one token for every live row (each job
+        drawing from its own generator), then one forward pass over the rows still decoding;
+        returns the jobs that finished. What `interrupt` raises ends the call with the batch
+        unchanged; what a job's own `interrupt` raises becomes that job's result (a waiting
+        job's too)."""
         if interrupt is not None:
             interrupt()
+        finished = self._interrupt_waiting()
+        finished += self._admit()
         rows = self._rows
         if rows is None or not self._owner_R:
-            return []
+            return finished
+        self.steps += 1
         with torch.inference_mode():
             chosen_R = torch.empty(len(self._owner_R), dtype=torch.long, device=self._device)
             for key, span in _spans(self._owner_R):
@@ -248,17 +265,74 @@ class DecodeBatch:
                     state.error, state.done = exc, True
                     continue
                 chosen_R[span] = state.step(rows.logits_R_V[span], self._decode)
-            finished = [key for key, s in self._states.items() if s.done]
+            done = [key for key, s in self._states.items() if s.done]
             live = [i for i, key in enumerate(self._owner_R) if not self._states[key].done]
             if len(live) < len(self._owner_R):
                 keep_R = torch.tensor(live, dtype=torch.long, device=self._device)
                 rows = rows.selected(keep_R)
                 chosen_R = chosen_R[keep_R]
                 self._owner_R = [self._owner_R[i] for i in live]
+            for key in done:
+                self._leave(self._states[key])
             if self._owner_R:
                 rows = self._forward(rows, chosen_R)
             self._rows = rows if self._owner_R else None
-        return [(key, self._states.pop(key).result()) for key in finished]
+        return finished + [(key, self._states.pop(key).result()) for key in done]
+
+    def _interrupt_waiting(self) -> Finished:
+        """The waiting jobs whose own `interrupt` raises, ended with what it raised."""
+        finished: Finished = []
+        for key, job in list(self._waiting.items()):
+            try:
+                if job.interrupt is not None:
+                    job.interrupt()
+            except Exception as exc:
+                del self._waiting[key]
+                finished.append((key, exc))
+        return finished
+
+    def _admit(self) -> Finished:
+        """Prefill the waiting jobs that fit in the budget, first come first (one that does
+        not fit holds back those behind it, so that a large job is not starved by small ones);
+        returns those finished at once."""
+        jobs: list[tuple[Key, SampleJob]] = []
+        for key, job in self._waiting.items():
+            need = _kv_need(job)
+            if need > self.kv.budget and not self.kv.reserved:  # alone, in a pool of its size
+                self.kv.resize(need)
+            if not self.kv.fits(need):
+                break
+            self.kv.reserve(need)
+            jobs.append((key, job))
+        if not jobs:
+            return []
+        for key, _ in jobs:
+            del self._waiting[key]
+        states = {key: _Decoding(job, self._device, self._eos_token_id) for key, job in jobs}
+        with torch.inference_mode():
+            for group in self._prefill_groups(jobs):
+                rows = self._prefill([job for _, job in group], [states[key] for key, _ in group])
+                owner_R = [key for key, job in group for _ in range(job.num_samples)]
+                owner_R, rows = self._without_done(states, owner_R, rows)
+                if self._rows is None or not self._owner_R:
+                    self._rows = rows
+                    self._owner_R = owner_R
+                elif owner_R:
+                    self._rows = self._rows.merged(rows, self.kv.pad)
+                    self._owner_R = self._owner_R + owner_R
+        for state in states.values():
+            if state.done:
+                self._leave(state)
+        self._states.update({key: s for key, s in states.items() if not s.done})
+        return [(key, s.result()) for key, s in states.items() if s.done]
+
+    def _leave(self, state: _Decoding) -> None:
+        """A finished job's slots and reservation go back to the pool."""
+        self.kv.give(state.slots)
+        self.kv.release(_kv_need(state.job))
+        state.slots = []
+        if not self.kv.reserved and self.kv.tokens != self.kv.budget:
+            self.kv.resize(self.kv.budget)  # a job larger than the budget ran alone: it is over
 
     def _prefill_groups(
         self, jobs: list[tuple[Key, SampleJob]]
@@ -275,20 +349,29 @@ class DecodeBatch:
                 groups.append([(key, job)])
         return groups
 
-    def _prefill(self, jobs: list[SampleJob], states: list[_Decoding]) -> _Rows:
-        """The jobs' prompts in one left-padded forward pass: their prompt scores, and one row
-        per sample holding the logits of its first token."""
+    def _prefill(self, jobs: list[SampleJob], states: list[_Decoding]) -> Rows:
+        """The jobs' prompts in one left-padded forward pass, their keys and values written
+        into the pool once per prompt: their prompt scores, and one row per sample holding the
+        logits of its first token and reading its prompt's slots."""
         lengths_J = [len(job.prompt) for job in jobs]
         width = max(lengths_J)
         ids_J_L = torch.zeros(len(jobs), width, dtype=torch.long, device=self._device)
         mask_J_L = torch.zeros(len(jobs), width, dtype=torch.long, device=self._device)
-        for j, job in enumerate(jobs):  # left padding: every prompt ends at the last column
+        read_J_L = torch.full((len(jobs), width), self.kv.pad, dtype=torch.long)
+        src: list[int] = []
+        for j, (job, state) in enumerate(zip(jobs, states, strict=True)):
+            # left padding: every prompt ends at the last column
             ids_J_L[j, width - lengths_J[j] :] = torch.tensor(list(job.prompt), device=self._device)
             mask_J_L[j, width - lengths_J[j] :] = 1
+            state.slots = self.kv.take(lengths_J[j])
+            read_J_L[j, width - lengths_J[j] :] = torch.tensor(state.slots)
+            src += range(j * width + width - lengths_J[j], (j + 1) * width)
+        read_J_L = read_J_L.to(self._device)
+        dst = torch.tensor([s for state in states for s in state.slots], device=self._device)
+        self.kv.plan = Plan(past=0, dst=dst, src=torch.tensor(src, device=self._device))
         positions_J_L = (mask_J_L.cumsum(-1) - 1).clamp(min=0)
         keeps_J = [job.scoring.logits_to_keep(n) for job, n in zip(jobs, lengths_J, strict=True)]
         keep = 0 if 0 in keeps_J else max(keeps_J)
-        cache = DynamicCache()  # no config: a growing DynamicLayer for every layer (see above)
         prefill_adapters = RowAdapters([job.weights for job in jobs], self._device)
         with self._host.use_rows(prefill_adapters):
             out = self._model(
@@ -297,7 +380,7 @@ class DecodeBatch:
                 position_ids=positions_J_L,
                 use_cache=True,
                 logits_to_keep=keep,
-                **{self._kwarg: cache},
+                **{self._kwarg: self._cache},
             )
         for j, (job, state) in enumerate(zip(jobs, states, strict=True)):
             # the job's own last positions: what it would keep alone (all of its prompt if 0)
@@ -312,34 +395,45 @@ class DecodeBatch:
             )
         owner_R = [j for j, job in enumerate(jobs) for _ in range(job.num_samples)]
         rows_R = torch.tensor(owner_R, dtype=torch.long, device=self._device)
-        cache.batch_select_indices(rows_R)
-        return _Rows(
-            cache=cache,
+        return Rows(
             logits_R_V=out.logits[owner_R, -1].float(),
             mask_R_L=mask_J_L[rows_R],
+            read_R_L=read_J_L[rows_R],
             next_R=torch.tensor([lengths_J[j] for j in owner_R], device=self._device),
             adapters=RowAdapters(
                 [jobs[j].weights for j in owner_R], self._device, prefill_adapters
             ),
         )
 
-    def _forward(self, rows: _Rows, chosen_R: torch.Tensor) -> _Rows:
+    def _forward(self, rows: Rows, chosen_R: torch.Tensor) -> Rows:
+        """Each row's token `chosen_R` written into a new slot of the pool, and the logits of
+        the token after it."""
+        new = self.kv.take(len(chosen_R))
+        for key, span in _spans(self._owner_R):
+            self._states[key].slots += new[span]
+        new_R = torch.tensor(new, dtype=torch.long, device=self._device)
         mask_R_L = torch.cat([rows.mask_R_L, rows.mask_R_L.new_ones(len(chosen_R), 1)], dim=1)
+        read_R_L = torch.cat([rows.read_R_L, new_R[:, None]], dim=1)
+        self.kv.plan = Plan(past=read_R_L.shape[1] - 1, dst=new_R, read_R_L=read_R_L)
         with self._host.use_rows(rows.adapters):
             out = self._model(
                 input_ids=chosen_R[:, None],
                 attention_mask=mask_R_L,
                 position_ids=rows.next_R[:, None],
                 use_cache=True,
-                **{self._kwarg: rows.cache},
+                **{self._kwarg: self._cache},
             )
         return dataclasses.replace(
-            rows, logits_R_V=out.logits[:, -1].float(), mask_R_L=mask_R_L, next_R=rows.next_R + 1
+            rows,
+            logits_R_V=out.logits[:, -1].float(),
+            mask_R_L=mask_R_L,
+            read_R_L=read_R_L,
+            next_R=rows.next_R + 1,
         )
 
     def _without_done(
-        self, states: dict[Key, _Decoding], owner_R: list[Key], rows: _Rows
-    ) -> tuple[list[Key], _Rows]:
+        self, states: dict[Key, _Decoding], owner_R: list[Key], rows: Rows
+    ) -> tuple[list[Key], Rows]:
         """Drop the rows of jobs that sample nothing (max_tokens 0)."""
         live = [i for i, key in enumerate(owner_R) if not states[key].done]
         if len(live) == len(owner_R):
@@ -348,54 +442,8 @@ class DecodeBatch:
         return [owner_R[i] for i in live], rows.selected(keep_R)
 
 
-@dataclass
-class _Rows:
-    """The decoding rows: KV cache [R, ..., L, ...], the logits of each row's next token, the
-    attention mask [R, L] (0 on left padding), each row's next position and adapter."""
-
-    cache: DynamicCache
-    logits_R_V: torch.Tensor
-    mask_R_L: torch.Tensor
-    next_R: torch.Tensor
-    adapters: RowAdapters
-
-    def selected(self, keep_R: torch.Tensor) -> _Rows:
-        """Only the rows `keep_R`, with the columns that are padding in all of them cropped."""
-        self.cache.batch_select_indices(keep_R)
-        mask_R_L = self.mask_R_L[keep_R]
-        lead = int((mask_R_L.sum(dim=0) == 0).long().cumprod(dim=0).sum().item())
-        if lead:
-            mask_R_L = mask_R_L[:, lead:]
-            for layer in _kv_layers(self.cache):
-                layer.keys = layer.keys[..., lead:, :]
-                layer.values = layer.values[..., lead:, :]
-        return _Rows(
-            cache=self.cache,
-            logits_R_V=self.logits_R_V[keep_R],
-            mask_R_L=mask_R_L,
-            next_R=self.next_R[keep_R],
-            adapters=self.adapters.selected(keep_R.tolist()),
-        )
-
-    def merged(self, other: _Rows) -> _Rows:
-        """These rows and then `other`'s, both left-padded to the longer of the two."""
-        width = max(self.mask_R_L.shape[1], other.mask_R_L.shape[1])
-        for mine, theirs in zip(_kv_layers(self.cache), _kv_layers(other.cache), strict=True):
-            mine.keys = torch.cat(
-                [_pad_left(mine.keys, width, -2), _pad_left(theirs.keys, width, -2)]
-            )
-            mine.values = torch.cat(
-                [_pad_left(mine.values, width, -2), _pad_left(theirs.values, width, -2)]
-            )
-        return _Rows(
-            cache=self.cache,
-            logits_R_V=torch.cat([self.logits_R_V, other.logits_R_V]),
-            mask_R_L=torch.cat(
-                [_pad_left(self.mask_R_L, width, -1), _pad_left(other.mask_R_L, width, -1)]
-            ),
-            next_R=torch.cat([self.next_R, other.next_R]),
-            adapters=self.adapters.merged(other.adapters),
-        )
+def _kv_need(job: SampleJob) -> int:
+    return kv_need(len(job.prompt), job.num_samples, job.params.max_tokens)
 
 
 def _prefill_logits(jobs: Sequence[tuple[Key, SampleJob]]) -> int:
@@ -406,8 +454,8 @@ def _prefill_logits(jobs: Sequence[tuple[Key, SampleJob]]) -> int:
 
 
 def _check_layer_types(config: PreTrainedConfig) -> None:
-    """ValidationError unless every attention layer of a model with `config` is one whose cache
-    can grow as a plain `DynamicLayer` (`_LAYER_TYPES`)."""
+    """ValidationError unless every attention layer of a model with `config` is one the pool
+    can serve (`_LAYER_TYPES`)."""
     layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     other = sorted(set(layer_types) - _LAYER_TYPES)
     if other:
@@ -416,28 +464,6 @@ def _check_layer_types(config: PreTrainedConfig) -> None:
             f"{' and '.join(sorted(_LAYER_TYPES))} layers, so sample a base model whose layers "
             "are all of those types"
         )
-
-
-def _kv_layers(cache: DynamicCache) -> list[_KV]:
-    """The cache's layers, each a plain growing key/value pair (`_LAYER_TYPES`); rows can then
-    be cropped and merged column by column."""
-    layers = list(cache.layers)
-    assert all(type(layer) is DynamicLayer for layer in layers), layers
-    return cast(list[_KV], layers)
-
-
-class _KV(Protocol):
-    keys: torch.Tensor
-    values: torch.Tensor
-
-
-def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """`t` with zeros before its first column along `dim` (-1 or -2) up to `width` columns."""
-    missing = width - t.shape[dim]
-    if missing == 0:
-        return t
-    pad = (missing, 0) if dim == -1 else (0, 0, missing, 0)
-    return F.pad(t, pad)
 
 
 def generate_batch(

@@ -33,7 +33,7 @@ from treadle.platform.models.lora_names import (
 
 __all__ = ["CACHED_LAYER_TYPES", "Structure", "causal_lm_classes", "check_structure"]
 
-# The layer types (transformers' `layer_types`) the sampler's growing KV cache serves; the
+# The layer types (transformers' `layer_types`) the sampler's KV pool serves; the
 # sampler reads them from here (treadle/engine/sampling/decode.py `_LAYER_TYPES`).
 CACHED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # config.json keys that describe recurrent or linear-attention layers (Mamba/SSM hybrids such
