@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from treadle.engine.lora.adapters import compute_dtype
 from treadle.engine.lora.targets import is_expert_key, resolve, split_expert_key
 from treadle.engine.losses import passes
 from treadle.engine.losses.activation_cost import token_cost
@@ -66,6 +67,9 @@ class Footprint:
     checkpointed: bool  # whether such a pass checkpoints its decoder layers
     kv_bytes: int  # sampler_kv_tokens of KV cache
     load_host_bytes: int  # host memory loading it takes (0: straight into the budget's memory)
+    # per LoRA parameter, the copy an adapter's passes run in (`lora.adapters.compute_dtype`: on
+    # a bfloat16 model, 2; float32 passes run on the masters themselves, 0)
+    adapter_copy_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +92,7 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
     for category in ("attn", "mlp", "unembed"):
         lora_per_rank[category] = sum(_lora_per_rank(model, n) for n in getattr(targets, category))
     element = torch.empty((), dtype=settings.dtype).element_size()
+    compute = compute_dtype(settings.dtype)  # the dtype an adapter's passes run in
     parameters = info.parameters or sum(p.numel() for p in model.parameters())
     held, total = _held(model, settings.shards)
     weight_bytes = parameters * element * held // total
@@ -136,6 +141,7 @@ def model_footprint(info: BaseModelInfo, settings: PassSettings, cache_dir: Path
         checkpointed=bool(checkpointed),
         kv_bytes=kv_per_token * settings.sampler_kv_tokens,
         load_host_bytes=load_host,
+        adapter_copy_bytes=0 if compute.itemsize >= 4 else compute.itemsize,
     )
 
 

@@ -111,6 +111,12 @@ def test_the_pass_and_weight_terms_follow_the_documented_formula() -> None:
     layer = sum(p.numel() for p in meta.model.layers[0].parameters())
     rest = info.parameters - 2 * layer
     assert sharded.weight_bytes == 4 * (layer + rest + 2 * layer)
+    # float32 passes run on the adapter's masters; bfloat16 ones on a copy, 2 bytes a parameter
+    assert fp.adapter_copy_bytes == 0
+    bf16 = model_footprint(
+        info, PassSettings(**{**CPU.__dict__, "dtype": torch.bfloat16}), Path(".")
+    )
+    assert bf16.adapter_copy_bytes == 2
     checkpointed = model_footprint(
         info, PassSettings(**{**CPU.__dict__, "checkpointing": True}), Path(".")
     )

@@ -64,6 +64,24 @@ def test_budget_adds_base_sessions_and_the_working_set() -> None:
     assert b.free_bytes == 100 * MiB - b.base_bytes - b.session_bytes - b.working_bytes
 
 
+def test_on_a_bfloat16_model_an_adapter_also_holds_the_copy_its_passes_run_in() -> None:
+    """A footprint's `adapter_copy_bytes` (2 on a bfloat16 model: the adapter's passes run a
+    bfloat16 copy of its float32 masters) adds to each adapter's 16 bytes a parameter; the
+    gradient buffers stay float32."""
+    bf16 = {**FOOTPRINT, "adapter_copy_bytes": 2}
+    info = {**_info(100 * MiB), "footprints": {"m": bf16, "s": SMALL}}
+    held = [_session(1, 4), _session(2, 8, train_unembed=False)]
+    b = budget("w", info, held)
+    assert b is not None
+    adapters = [4 * 54_000, 8 * 4000]
+    assert b.session_bytes == (BYTES_PER_LORA_PARAMETER + 2) * sum(adapters)
+    assert b.working_bytes == 6 * MiB + GRADIENT_BUFFERS * 4 * max(adapters)
+    words = need_words(info, _session(3, 8))
+    assert "(432,000 LoRA parameters x 18 bytes = 7.42 MiB" in words
+    assert "and the copy its passes run in" in words
+    assert "x 16 bytes" in need_words(_info(100 * MiB), _session(3, 8))
+
+
 def test_only_the_largest_resident_adapters_count_where_the_rest_page_out() -> None:
     held = [_session(1, 1), _session(2, 16), _session(3, 4)]
     b = budget("w", _info(100 * MiB, resident=2), held)

@@ -8,7 +8,8 @@ parameters per rank per category (`lora_per_rank`), pass_bytes (one training pas
 and logits) and kv_bytes (the sampler's KV budget). The device must hold, all at once:
   base models  every base model it holds (loaded, or with a session on it): weight_bytes each;
   sessions     its resident adapters: each training session's LoRA parameters x 16 bytes (fp32
-               weights, grads, AdamW's two moments), the `resident_adapters` largest (0: all);
+               weights, grads, AdamW's two moments; 2 more on a bfloat16 model, the copy its
+               passes run in: `adapter_copy_bytes`), the `resident_adapters` largest (0: all);
   working set  one training pass and the sampler's KV budget of the largest of its models, plus
                the pass's gradient buffers: 3 x 4 bytes x the largest adapter's parameters.
 A worker that reports no footprint for a model is judged as before (its `refused` list alone).
@@ -33,6 +34,7 @@ __all__ = [
     "Budget",
     "Held",
     "budget",
+    "bytes_per_lora_parameter",
     "held_by",
     "lora_parameters",
     "need_words",
@@ -120,6 +122,13 @@ def lora_parameters(footprint: Mapping[str, Any], lora_config: Mapping[str, Any]
     return rank * sum(int(per_rank.get(c, 0)) for c in trained)
 
 
+def bytes_per_lora_parameter(footprint: Mapping[str, Any]) -> int:
+    """What a trained adapter holds per LoRA parameter on a model with `footprint`: the fp32
+    weight, its grad and AdamW's two moments, plus the copy its passes run in where the model's
+    activations are narrower (`adapter_copy_bytes`: 2 on a bfloat16 model, 0 on float32)."""
+    return BYTES_PER_LORA_PARAMETER + int(footprint.get("adapter_copy_bytes") or 0)
+
+
 def budget(worker_id: str, info: Mapping[str, Any], held: Sequence[Held]) -> Budget | None:
     """What `held` (the worker's active sessions, a candidate included) take of the worker's
     device memory; None when its heartbeat reports no budget (a worker judged as before)."""
@@ -130,17 +139,15 @@ def budget(worker_id: str, info: Mapping[str, Any], held: Sequence[Held]) -> Bud
     models = sorted(set(info.get("loaded_models") or ()) | {h.base_model for h in held})
     complete = all(m in footprints for m in models)
     prints = [footprints[m] for m in models if m in footprints]
-    adapters = sorted(
-        (
-            BYTES_PER_LORA_PARAMETER * lora_parameters(footprints[h.base_model], h.lora_config)
-            for h in held
-            if h.has_adapter and h.base_model in footprints
-        ),
-        reverse=True,
-    )
+    parameters = [
+        (lora_parameters(footprints[h.base_model], h.lora_config), footprints[h.base_model])
+        for h in held
+        if h.has_adapter and h.base_model in footprints
+    ]
+    adapters = sorted((n * bytes_per_lora_parameter(f) for n, f in parameters), reverse=True)
     limit = int(limits.get("resident_adapters") or 0)
     resident = adapters if limit <= 0 else adapters[:limit]
-    largest = adapters[0] // BYTES_PER_LORA_PARAMETER if adapters else 0
+    largest = max((n for n, _ in parameters), default=0)
     pass_and_kv = max((int(f.get("pass_bytes", 0)) + int(f.get("kv_bytes", 0)) for f in prints),
                       default=0)  # fmt: skip
     return Budget(
@@ -179,10 +186,12 @@ def need_words(info: Mapping[str, Any] | None, new: Held) -> str:
         return f"a session on {new.base_model}"
     flags = [c for c in CATEGORIES if new.lora_config.get(_FLAGS[c], True)]
     n = lora_parameters(footprint, new.lora_config)
+    per = bytes_per_lora_parameter(footprint)
+    copy = "" if per == BYTES_PER_LORA_PARAMETER else ", and the copy its passes run in"
     return (
         f"a rank-{new.lora_config.get('rank')} LoRA session on {new.base_model} training "
-        f"{', '.join(flags)} ({n:,} LoRA parameters x {BYTES_PER_LORA_PARAMETER} bytes = "
-        f"{size(n * BYTES_PER_LORA_PARAMETER)} for fp32 weights, grads and AdamW's two moments)"
+        f"{', '.join(flags)} ({n:,} LoRA parameters x {per} bytes = "
+        f"{size(n * per)} for fp32 weights, grads and AdamW's two moments{copy})"
     )
 
 
