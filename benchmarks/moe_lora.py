@@ -31,6 +31,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
 
 from treadle.engine.lora.adapters import LoraHost, LoraSpec, LoraWeights  # noqa: E402
+from treadle.engine.losses.activation_cost import saved_bytes  # noqa: E402
 
 
 def build(experts: int, top_k: int) -> torch.nn.Module:
@@ -47,22 +48,20 @@ def build(experts: int, top_k: int) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def saved_bytes(step: Callable[[], torch.Tensor], models: list[torch.nn.Module]) -> int:
+def saved_by(step: Callable[[], torch.Tensor], models: list[torch.nn.Module]) -> int:
     """The bytes autograd saves for the backward of one pass of `step`, beyond the models'
-    own parameters (base weights and LoRA tensors, which exist anyway)."""
+    own parameters (base weights and LoRA tensors, which exist anyway:
+    `activation_cost.saved_bytes`); the pass's backward then runs, as every timed one does."""
     own = {p.untyped_storage().data_ptr() for m in models for p in m.parameters()}
-    seen: dict[int, int] = {}
+    losses: list[torch.Tensor] = []
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
+    def run() -> torch.Tensor:
+        losses.append(step())  # kept past the count, for the backward
+        return losses[-1]
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-    loss.backward()
-    return sum(seen.values())
+    saved = saved_bytes(run, own)
+    losses[0].backward()
+    return saved
 
 
 def timed(step: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
@@ -115,7 +114,7 @@ def main() -> None:
         "Treadle expert LoRA": lambda: _under(host, weights, loss_of(model)),
         "peft target_parameters": loss_of(twin),
     }
-    saved = {n: saved_bytes(v, [model, twin, holder]) for n, v in variants.items()}
+    saved = {n: saved_by(v, [model, twin, holder]) for n, v in variants.items()}
     seconds: dict[str, list[float]] = {n: [] for n in variants}
     losses: dict[str, torch.Tensor] = {}
     for _ in range(args.repeats):  # interleaved, so a busy machine slows each alike

@@ -68,10 +68,6 @@ class VocabRows:
         # A parameter, so that moving the model's parameters to its device moves these too.
         self.weight = nn.Parameter(local, requires_grad=False)
 
-    @property
-    def local(self) -> Tensor:
-        return self.weight
-
     @staticmethod
     def span(vocab: int, ranks: int, rank: int) -> tuple[int, int]:
         """The rows [lo, hi) of a `vocab`-row weight that `rank` of `ranks` keeps (hi may pass
@@ -83,7 +79,7 @@ class VocabRows:
         """Each piece of rows in turn, gathered: the [ranks x rows, hidden] tensor and, per
         rank's block, (its first row in the tensor, its first vocabulary row, its rows)."""
         for start, rows in self.row_spans:
-            mine = self.local[start : start + rows]
+            mine = self.weight[start : start + rows]
             gathered = mine.new_empty(self.ranks * rows, self.hidden)
             dist.all_gather_into_tensor(gathered, mine.contiguous(), group=self.group)
             blocks = []
@@ -95,8 +91,8 @@ class VocabRows:
 
     def whole(self) -> Tensor:
         """The whole [vocab, hidden] weight, gathered (the caller frees it)."""
-        gathered = self.local.new_empty(self.ranks * self.per_rank, self.hidden)
-        dist.all_gather_into_tensor(gathered, self.local.detach(), group=self.group)
+        gathered = self.weight.new_empty(self.ranks * self.per_rank, self.hidden)
+        dist.all_gather_into_tensor(gathered, self.weight.detach(), group=self.group)
         return gathered[: self.vocab]
 
 
@@ -113,7 +109,7 @@ class ShardedEmbedding(nn.Module):
         flat = ids.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
-        out = self.vocab_rows.local.new_zeros(flat.numel(), self.embedding_dim)
+        out = self.vocab_rows.weight.new_zeros(flat.numel(), self.embedding_dim)
         for gathered, blocks in self.vocab_rows.row_pieces():
             for at, first, count in blocks:
                 hit = (flat >= first) & (flat < first + count)

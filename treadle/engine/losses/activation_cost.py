@@ -72,11 +72,13 @@ def token_cost(model: PreTrainedModel) -> TokenCost:
     """`model`'s cost per token: measured once (`measured_cost`, kept while the model lives)
     where it can be probed here, else `estimated_cost` (see the module's docstring). The engine
     wraps a model in its LoRA host when it loads it, before anything asks."""
+    cost = _MEASURED.get(model)  # asked before every training pass: looked up first
+    if cost is not None:
+        return cost
     if not _probeable(model):
         return estimated_cost(model)
-    if model not in _MEASURED:
-        _MEASURED[model] = measured_cost(model)
-    return _MEASURED[model]
+    cost = _MEASURED[model] = measured_cost(model)
+    return cost
 
 
 def measured_cost(model: PreTrainedModel) -> TokenCost:
