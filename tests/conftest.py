@@ -4,6 +4,7 @@ are set, embedded ones otherwise), a fresh database per test run, and a running 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -142,12 +143,28 @@ class Platform:
 @pytest.fixture(scope="session")
 def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """`treadle up` on a free port against this run's database and Redis."""
-    data_dir = tmp_path_factory.mktemp("platform")
+    with served_platform(
+        services.database_url, services.redis_url, tmp_path_factory.mktemp("platform")
+    ) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def served_platform(
+    database_url: str,
+    redis_url: str,
+    data_dir: Path,
+    *,
+    workers: int = 2,
+    env: dict[str, str] | None = None,
+) -> Iterator[Platform]:
+    """`treadle up` with `workers` workers on a free port against `database_url` and
+    `redis_url`, with `env` added to its environment."""
     port = free_port()
-    env = {
+    full_env = {
         **os.environ,
-        "DATABASE_URL": services.database_url,
-        "REDIS_URL": services.redis_url,
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
         "TREADLE_ADMIN_KEY": ADMIN_KEY,
         "TREADLE_LONG_POLL_SECONDS": "5",
         # Recovery points every few steps, so forks start from one (tests/integration/test_lineage)
@@ -155,6 +172,7 @@ def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
         # SigV4 scopes it accepts: a request signed for another region is refused
         # (tests/compat/test_sagemaker_routes.py)
         "TREADLE_AWS_REGIONS": "us-west-2,us-east-1",
+        **(env or {}),
     }
     log = open(data_dir / "up.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -168,16 +186,16 @@ def platform(services: Services, tmp_path_factory: pytest.TempPathFactory) -> It
             "--data-dir",
             str(data_dir),
             "--workers",
-            "2",
+            str(workers),
         ],
-        env=env,
+        env=full_env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     base_url = f"http://127.0.0.1:{port}"
     try:
-        _wait_until_ready(proc, base_url, services, data_dir)
-        yield Platform(base_url, ADMIN_KEY, services.database_url, services.redis_url, data_dir)
+        _wait_until_ready(proc, base_url, database_url, data_dir, workers)
+        yield Platform(base_url, ADMIN_KEY, database_url, redis_url, data_dir)
     finally:
         proc.terminate()
         try:
@@ -197,9 +215,9 @@ def new_tenant_key(platform: Platform, name: str) -> str:
 
 
 def _wait_until_ready(
-    proc: subprocess.Popen[bytes], base_url: str, services: Services, data_dir: Path
+    proc: subprocess.Popen[bytes], base_url: str, database_url: str, data_dir: Path, workers: int
 ) -> None:
-    eng = db.connect(services.database_url, pool_size=1)
+    eng = db.connect(database_url, pool_size=1)
     deadline = time.monotonic() + 180
     try:
         while time.monotonic() < deadline:
@@ -211,7 +229,8 @@ def _wait_until_ready(
                 healthy = False
             if healthy:
                 with eng.connect() as conn:
-                    if conn.execute(sa.text("SELECT count(*) FROM workers")).scalar_one() >= 2:
+                    count = conn.execute(sa.text("SELECT count(*) FROM workers")).scalar_one()
+                    if count >= workers:
                         return
             time.sleep(0.5)
         logs = "\n".join(p.read_text() for p in sorted(data_dir.rglob("*.log")))

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from treadle.engine.sampling.kv_pool import kv_need
     from treadle.engine.sampling.prompt_scores import PromptScoring, PromptTargets
     from treadle.engine.sampling.rules import SampledSequence, SampleResult, SamplingSpec
+    from treadle.engine.sampling.vllm_server import VllmSettings
 
 # Each public name -> the module that defines it (a module itself where the name is one).
 _WHERE = {
@@ -71,6 +72,7 @@ _WHERE = {
     "SampledSequence": "treadle.engine.sampling.rules",
     "SamplingSpec": "treadle.engine.sampling.rules",
     "Topology": "treadle.engine.protocol",
+    "VllmSettings": "treadle.engine.sampling.vllm_server",
     "follow": "treadle.engine.distributed.executor",
     "heap": "treadle.engine.memory.heap",
     "init_from_env": "treadle.engine.distributed.group",
@@ -113,6 +115,7 @@ __all__ = [
     "SampledSequence",
     "SamplingSpec",
     "Topology",
+    "VllmSettings",
     "device_memory",
     "follow",
     "model_footprint",

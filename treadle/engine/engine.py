@@ -15,6 +15,7 @@ Must not import flask, sqlalchemy, celery or treadle.api.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,13 @@ from transformers import PreTrainedTokenizerBase
 
 import treadle.engine.training as training
 from treadle.engine.lora import files as adapter_files
-from treadle.engine.lora.adapters import LoraHost, LoraSpec, TrainableLora, compute_dtype
+from treadle.engine.lora.adapters import (
+    LoraHost,
+    LoraSpec,
+    LoraWeights,
+    TrainableLora,
+    compute_dtype,
+)
 from treadle.engine.lora.snapshots import Snapshot, Snapshots
 from treadle.engine.losses import passes
 from treadle.engine.losses.functions import (
@@ -38,7 +45,7 @@ from treadle.engine.memory import fingerprint
 from treadle.engine.memory.capacity import device_memory_in_use
 from treadle.engine.memory.paging import Paging
 from treadle.engine.models import determinism
-from treadle.engine.models.loading import load_base_model, load_deferred
+from treadle.engine.models.loading import load_base_model, load_deferred, serving_dir
 from treadle.engine.models.threads import threads_for
 from treadle.engine.models.weight_files import WeightFiles
 from treadle.engine.optim import AdamSpec
@@ -60,6 +67,9 @@ from treadle.engine.sampling.rules import (
     SampleResult,
     SamplingSpec,
 )
+from treadle.engine.sampling.vllm_backend import VllmBackend
+from treadle.engine.sampling.vllm_batch import VllmBatch
+from treadle.engine.sampling.vllm_server import VllmServer, VllmSettings
 from treadle.engine.training import Base
 from treadle.platform.config import DEFAULT_SAMPLER_KV_TOKENS
 from treadle.platform.errors import (
@@ -70,7 +80,7 @@ from treadle.platform.errors import (
 )
 from treadle.platform.models.catalog import BaseModelInfo, get_base_model
 from treadle.platform.models.losses import resolve_config
-from treadle.platform.models.tokenizers import load_tokenizer, tokenizer_files
+from treadle.platform.models.tokenizers import load_tokenizer, safe_name, tokenizer_files
 
 __all__ = ["Engine", "SampleBatch"]
 
@@ -118,6 +128,7 @@ class Engine:
         microbatch_tokens: int | None = None,
         dtype: torch.dtype | None = None,
         sampler_kv_tokens: int = DEFAULT_SAMPLER_KV_TOKENS,
+        vllm: VllmSettings | None = None,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         # A base model's registry entry by name (the worker's `ModelRegistry.get`; the built-ins
@@ -134,6 +145,10 @@ class Engine:
         # The sampler's KV budget, in tokens per attention layer: a sample batch holds at most
         # this many tokens' keys and values (`sampling.kv_pool`); requests beyond it wait.
         self.sampler_kv_tokens = sampler_kv_tokens
+        # Sample with vLLM servers (one per base model, `sampling.vllm_backend`) instead of the
+        # reference decode loop; None: the reference loop.
+        self.vllm = vllm
+        self._vllm: dict[str, VllmBackend] = {}
         # Recompute each decoder layer in the backward instead of keeping its activations (same
         # grads, a third more compute); None: where a training pass is big enough to save memory
         # (`chunked_logprobs.wants_checkpointing`).
@@ -207,6 +222,7 @@ class Engine:
                     self._snapshots.orphan(snapshot_id)
                 else:
                     self._snapshots.drop(snapshot_id)
+                    self._released(snapshot_id)
             del self._adapters[adapter_id]
             self._paging.forget(adapter_id)  # and its spill file
 
@@ -383,8 +399,14 @@ class Engine:
         with self._lock:
             adapter_id = self._snapshots.adapter_of(snapshot_id)
             self._snapshots.drop(snapshot_id)
+            self._released(snapshot_id)
             if adapter_id in self._adapters:
                 self._adapters[adapter_id].snapshots.discard(snapshot_id)
+
+    def _released(self, snapshot_id: str) -> None:
+        """A dropped snapshot's adapter leaves the vLLM servers it was handed to."""
+        for backend in self._vllm.values():
+            backend.release(snapshot_id)
 
     def sample(
         self,
@@ -431,10 +453,46 @@ class Engine:
         request's own `interrupt` ends only that request, with what it raised as its result."""
         return decode_all(self.open_batch, requests, interrupt)
 
-    def open_batch(self, base_model: str) -> SampleBatch:
+    def open_batch(self, base_model: str) -> SampleBatch | VllmBatch:
         """A continuous batch of sample requests on `base_model` (loaded now if it is not):
-        requests join between decoding steps and leave when done (see `batching`)."""
+        requests join between decoding steps and leave when done (see `batching`), decoded
+        by the reference loop or, when this engine samples with vLLM, by vLLM's server."""
+        if self.vllm is not None:
+            return VllmBatch(self._vllm_backend(base_model), self._vllm_job)
         return SampleBatch(self, self._base(base_model))
+
+    def _vllm_backend(self, base_model: str) -> VllmBackend:
+        with self._lock:
+            if base_model not in self._vllm:
+                assert self.vllm is not None
+                base = self._base(base_model)
+                info = base.info
+                server = VllmServer(
+                    self.vllm,
+                    folder=serving_dir(info, self.cache_dir),
+                    dtype=str(self.dtype).removeprefix("torch."),
+                    max_model_len=info.max_context_length,
+                    log_path=self.cache_dir / "vllm" / f"{safe_name(info.name)}.log",
+                )
+                adapters = self.cache_dir / "vllm" / "adapters"
+                adapters.mkdir(parents=True, exist_ok=True)
+                self._vllm[base_model] = VllmBackend(
+                    server,
+                    base_model=base_model,
+                    eos_token_id=info.eos_token_ids or base.tokenizer.eos_token_id,
+                    adapter_dir=Path(tempfile.mkdtemp(prefix="engine-", dir=adapters)),
+                )
+            return self._vllm[base_model]
+
+    def _vllm_job(self, request: SampleRequest) -> tuple[SampleJob, LoraWeights | None]:
+        """The request validated (`_job`), and its snapshot's float32 weights."""
+        with self._lock:
+            job = self._job(request)
+            if request.snapshot_id is None:
+                return job, None
+            snap = self._snapshots.get(request.snapshot_id)
+            assert snap is not None  # `_job` found it
+            return job, snap.weights
 
     def _job(self, request: SampleRequest) -> SampleJob:
         """The request validated, with its snapshot's weights; ValidationError or NotFoundError
@@ -529,7 +587,11 @@ class Engine:
         """Nothing to check: one process."""
 
     def close(self) -> None:
-        """Nothing to release before the process ends."""
+        """Stop the vLLM servers this engine started (nothing else to release)."""
+        with self._lock:
+            for backend in self._vllm.values():
+                backend.close()
+            self._vllm.clear()
 
     def unload(self) -> None:
         """Forget the base models (a process about to end: see `group.leave`); they load again

@@ -106,6 +106,15 @@ class PlatformConfig:
     # training pass: what the sessions a worker admits may sample at once. A reservation the
     # sample batch does not enforce yet (docs/operations.md, "Admission").
     sampler_kv_tokens: int = DEFAULT_SAMPLER_KV_TOKENS
+    # What a worker samples with: "reference" (Treadle's own decode loop, exact: the CPU
+    # default) or "vllm" (a vLLM server per base model, run from vLLM's own environment:
+    # `vllm_python`, which `make vllm` builds; or `vllm_url`, a server already running).
+    sampler_backend: str = "reference"
+    vllm_python: str = ""
+    vllm_url: str = ""
+    # The largest LoRA rank vLLM serves, and its KV cache on the CPU (GiB).
+    vllm_max_lora_rank: int = 64
+    vllm_kv_cache_gib: int = 1
     # Recompute each decoder layer in the backward instead of keeping its activations: None
     # where a training pass is big enough for it to save memory, True always, False never.
     activation_checkpointing: bool | None = None
@@ -197,6 +206,11 @@ class PlatformConfig:
             worker_model_memory_bytes=_whole(env, "TREADLE_WORKER_MODEL_MEMORY", 0),
             worker_host_memory_bytes=_whole(env, "TREADLE_WORKER_HOST_MEMORY", 0),
             sampler_kv_tokens=_whole(env, "TREADLE_SAMPLER_KV_TOKENS", DEFAULT_SAMPLER_KV_TOKENS),
+            sampler_backend=_sampler_backend(env),
+            vllm_python=env.get("TREADLE_VLLM_PYTHON", ""),
+            vllm_url=env.get("TREADLE_VLLM_URL", ""),
+            vllm_max_lora_rank=_whole(env, "TREADLE_VLLM_MAX_LORA_RANK", 64),
+            vllm_kv_cache_gib=_whole(env, "TREADLE_VLLM_KV_CACHE_GIB", 1),
             activation_checkpointing=_auto_flag(env, "TREADLE_ACTIVATION_CHECKPOINTING"),
             microbatch_tokens=_whole(env, "TREADLE_MICROBATCH_TOKENS", 0),
             group_timeout_seconds=_number(env, "TREADLE_GROUP_TIMEOUT_SECONDS", 120.0),
@@ -244,6 +258,11 @@ class PlatformConfig:
             "TREADLE_WORKER_MODEL_MEMORY": str(self.worker_model_memory_bytes),
             "TREADLE_WORKER_HOST_MEMORY": str(self.worker_host_memory_bytes),
             "TREADLE_SAMPLER_KV_TOKENS": str(self.sampler_kv_tokens),
+            "TREADLE_SAMPLER_BACKEND": self.sampler_backend,
+            "TREADLE_VLLM_PYTHON": self.vllm_python,
+            "TREADLE_VLLM_URL": self.vllm_url,
+            "TREADLE_VLLM_MAX_LORA_RANK": str(self.vllm_max_lora_rank),
+            "TREADLE_VLLM_KV_CACHE_GIB": str(self.vllm_kv_cache_gib),
             "TREADLE_ACTIVATION_CHECKPOINTING": {None: "auto", True: "on", False: "off"}[
                 self.activation_checkpointing
             ],
@@ -287,6 +306,15 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"{name} must be a finite number of 0 or more, got {raw!r}")
     return value
+
+
+def _sampler_backend(env: Mapping[str, str]) -> str:
+    backend = env.get("TREADLE_SAMPLER_BACKEND", "") or "reference"
+    if backend not in ("reference", "vllm"):
+        raise ValueError(
+            f"TREADLE_SAMPLER_BACKEND is {backend!r}; use reference (the default) or vllm"
+        )
+    return backend
 
 
 def _whole(env: Mapping[str, str], name: str, default: int) -> int:

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.signals import after_setup_task_logger, worker_ready, worker_shutting_down
 
-from treadle.engine import ALONE, Engine, EngineAPI, Group, GroupExecutor, heap
+from treadle.engine import ALONE, Engine, EngineAPI, Group, GroupExecutor, VllmSettings, heap
 from treadle.platform import db, logs
 from treadle.platform.checkpoints import storage
 from treadle.platform.config import PlatformConfig
@@ -65,6 +65,14 @@ def new_engine(
         parallel=ALONE if group is None else group,
         microbatch_tokens=config.microbatch_tokens or None,
         sampler_kv_tokens=config.sampler_kv_tokens,
+        vllm=VllmSettings(
+            python=config.vllm_python,
+            url=config.vllm_url,
+            max_lora_rank=config.vllm_max_lora_rank,
+            kv_cache_gib=config.vllm_kv_cache_gib,
+        )
+        if config.sampler_backend == "vllm"
+        else None,
     )
 
 

@@ -11,6 +11,7 @@ engine's business. Must not import flask, sqlalchemy, celery or treadle.api.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -31,8 +32,9 @@ from transformers import (
 
 from treadle.engine.models import determinism
 from treadle.engine.models.weight_files import WeightFiles, build_deferred
+from treadle.platform.errors import ValidationError
 from treadle.platform.models.catalog import BaseModelInfo, get_base_model, gguf_path
-from treadle.platform.models.tokenizers import load_tokenizer, safe_name
+from treadle.platform.models.tokenizers import load_tokenizer, safe_name, tokenizer_dir
 
 __all__ = [
     "TINY_DEBUG_SEED",
@@ -40,6 +42,7 @@ __all__ = [
     "load_base_model",
     "load_deferred",
     "model_dir",
+    "serving_dir",
     "tiny_debug_config",
 ]
 
@@ -169,6 +172,31 @@ def model_dir(info: BaseModelInfo, cache_dir: Path) -> Path:
     folder = Path(cache_dir) / "models" / safe_name(info.name)
     if not (folder / "config.json").is_file():
         _convert_gguf(folder, info)
+    return folder
+
+
+def serving_dir(info: BaseModelInfo, cache_dir: Path) -> Path:
+    """A folder an inference server (vLLM) loads the model from, its tokenizer beside its
+    weights: a registered folder itself (it has both), else `<cache_dir>/serving/<name>/`
+    linking the cached safetensors folder's files and the tokenizer's."""
+    if info.kind == "hf":
+        assert info.path is not None, info
+        return Path(info.path)
+    if info.kind == "tiny-debug":
+        raise ValidationError(
+            f"{info.name} is built in code and has no files an inference server can load; "
+            "sample it on a worker with the reference sampler, or register a model folder"
+        )
+    folder = Path(cache_dir) / "serving" / safe_name(info.name)
+    if (folder / "config.json").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    for source in (tokenizer_dir(info, cache_dir), model_dir(info, cache_dir)):
+        for file in source.iterdir():
+            link = folder / file.name
+            if file.is_file() and not link.exists():
+                with contextlib.suppress(FileExistsError):  # another process made it
+                    link.symlink_to(file.resolve())
     return folder
 
 

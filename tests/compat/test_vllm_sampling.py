@@ -1,0 +1,197 @@
+"""The vLLM sampling backend through the unmodified tinker SDK against `treadle up` (one worker,
+TREADLE_SAMPLER_BACKEND=vllm): its worker starts one vLLM server (`make vllm`'s environment) for
+SmolLM2-135M-Instruct, shared by every test here. Several sessions' adapters are sampled
+together; each sequence's logprobs and compute_logprobs are within 1e-4 of the trainer's forward
+of the same tokens; the adapter after save_weights_and_get_sampling_client is the one sampled; a
+killed vLLM process is started again and its samples sent again, with no error for the client;
+cookbook 0.6.1's math_rl runs to the end on it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from tests.compat import users
+from tests.conftest import Platform, Services, new_tenant_key, served_platform
+from tests.databases import private_database
+from tests.vllm_env import vllm_python
+from treadle.platform.models import catalog
+
+pytestmark = pytest.mark.integration
+
+SMOLLM2 = catalog.SMOLLM2_NAME
+PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 378]
+TOLERANCE = 1e-4  # float32 through another engine's kernels (docs/design.md, "Sampling backends")
+
+
+@pytest.fixture(scope="module")
+def vllm_platform(
+    services: Services, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Platform]:
+    """A platform of its own (database and Redis database too: the run's other platform must
+    not take its sessions) whose one worker samples with vLLM."""
+    data_dir = tmp_path_factory.mktemp("vllm-platform")
+    base, _, number = services.redis_url.rpartition("/")
+    redis_url = f"{base}/{(int(number or 0) + 8) % 16}"
+    env = {
+        "TREADLE_SAMPLER_BACKEND": "vllm",
+        "TREADLE_VLLM_PYTHON": vllm_python(),
+        "TREADLE_VLLM_MAX_LORA_RANK": "16",
+        # its own cache: the server's model folder, log and adapters under `data_dir`
+        "TREADLE_CACHE_DIR": str(data_dir / "cache"),
+    }
+    with (
+        private_database(services.database_url, "treadle_vllm") as database_url,
+        served_platform(database_url, redis_url, data_dir, workers=1, env=env) as platform,
+    ):
+        yield platform
+
+
+@pytest.fixture(scope="module")
+def service(vllm_platform: Platform) -> Iterator[tinker.ServiceClient]:
+    svc = tinker.ServiceClient(
+        base_url=vllm_platform.base_url, api_key=new_tenant_key(vllm_platform, "vllm")
+    )
+    yield svc
+    svc.close("success").result()
+
+
+def trained(service: tinker.ServiceClient, seed: int, steps: int = 1) -> tinker.TrainingClient:
+    """A session whose adapter is no longer the base model (B != 0, lm_head included)."""
+    tc = service.create_lora_training_client(SMOLLM2, rank=8, seed=seed).result()
+    train(tc, seed, steps)
+    return tc
+
+
+def train(tc: tinker.TrainingClient, seed: int, steps: int) -> None:
+    rng = np.random.default_rng(seed)
+    tokens = [int(t) for t in rng.integers(100, 5000, size=12)]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    for _ in range(steps):
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+
+
+def forward_logprobs(tc: tinker.TrainingClient, tokens: list[int]) -> np.ndarray:
+    """The trainer's logprob of each of tokens[1:] given the ones before it."""
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    out = tc.forward([datum], "cross_entropy").result()
+    return np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist(), np.float64)
+
+
+def test_sessions_adapters_sample_together_within_tolerance_of_their_forward(
+    service: tinker.ServiceClient,
+) -> None:
+    trainers = [trained(service, seed) for seed in (1, 2)]
+    samplers = [tc.save_weights_and_get_sampling_client().result() for tc in trainers]
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    # every request in flight at once: vLLM decodes them together, each with its adapter
+    samples = [s.sample(prompt, 2, params) for s in samplers]
+    scored = [s.compute_logprobs(prompt) for s in samplers]
+    results = [f.result() for f in samples]
+    prompt_logprobs = [f.result() for f in scored]
+    for tc, result, scores in zip(trainers, results, prompt_logprobs, strict=True):
+        assert len(result.sequences) == 2
+        for sequence in result.sequences:
+            assert sequence.logprobs is not None and len(sequence.tokens) >= 1
+            expected = forward_logprobs(tc, PROMPT + sequence.tokens)[len(PROMPT) - 1 :]
+            np.testing.assert_allclose(sequence.logprobs, expected, atol=TOLERANCE, rtol=0)
+        assert scores[0] is None
+        expected = forward_logprobs(tc, PROMPT)
+        np.testing.assert_allclose(scores[1:], expected, atol=TOLERANCE, rtol=0)
+    # the two adapters differ, and each request was served with its own
+    a, b = (np.asarray(s[1:]) for s in prompt_logprobs)
+    assert np.abs(a - b).max() > 1e-2
+
+
+def test_the_adapter_after_save_weights_and_get_sampling_client_is_the_one_sampled(
+    service: tinker.ServiceClient,
+) -> None:
+    """Each snapshot is served under a name of its own weights: a backend that loaded the new
+    files under a reused name would serve the old weights, and this test would fail."""
+    tc = trained(service, seed=3)
+    prompt = types.ModelInput.from_ints(PROMPT)
+    before = tc.save_weights_and_get_sampling_client().result().compute_logprobs(prompt).result()
+    train(tc, seed=3, steps=2)
+    after = tc.save_weights_and_get_sampling_client().result().compute_logprobs(prompt).result()
+    expected = forward_logprobs(tc, PROMPT)
+    np.testing.assert_allclose(after[1:], expected, atol=TOLERANCE, rtol=0)
+    assert np.abs(np.asarray(before[1:]) - expected).max() > 10 * TOLERANCE
+
+
+def vllm_server_pids(platform: Platform) -> list[int]:
+    """The vLLM API servers the platform's worker started (their command names its data)."""
+    found = subprocess.run(
+        ["pgrep", "-f", f"vllm.entrypoints.openai.api_server --model {platform.data_dir}"],
+        capture_output=True,
+        text=True,
+    )
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def test_a_killed_vllm_process_costs_the_client_no_error(
+    vllm_platform: Platform, service: tinker.ServiceClient
+) -> None:
+    tc = trained(service, seed=4)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+    first = sampler.sample(prompt, 2, params).result()
+    (pid,) = vllm_server_pids(vllm_platform)
+    os.killpg(pid, signal.SIGKILL)  # the server and its engine processes
+    deadline = time.monotonic() + 30
+    while vllm_server_pids(vllm_platform) == [pid] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    again = sampler.sample(prompt, 2, params).result()  # no error reaches the client
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in first.sequences]
+    assert len(vllm_server_pids(vllm_platform)) == 1  # a new one
+
+
+def test_cookbook_math_rl_runs_to_the_end_on_vllm(vllm_platform: Platform, tmp_path: Path) -> None:
+    tenant = f"vllm-math-{secrets.token_hex(3)}"
+    key = new_tenant_key(vllm_platform, tenant)
+    log = tmp_path / "math-rl"
+    env = users.user_env(
+        vllm_platform.base_url, key, tmp_path / "hf-home",
+        TINKER_COOKBOOK_RUNS_DIR=str(tmp_path / "runs"),
+        TREADLE_CACHE_DIR=str(tmp_path / "cache"),
+        HF_HUB_OFFLINE="1",
+    )  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "treadle.cookbook", "tinker_cookbook.recipes.math_rl.train",
+            "env=arithmetic", f"model_name={SMOLLM2}", "lora_rank=4", "group_size=2",
+            "groups_per_batch=2", "max_tokens=6", "eval_every=0", "save_every=0",
+            "max_steps=2", f"log_path={log}", "behavior_if_log_dir_exists=delete",
+        ],
+        env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    steps = [line for line in (log / "metrics.jsonl").read_text().splitlines() if "reward" in line]
+    assert len(steps) == 2
+    assert sampled_by_vllm(vllm_platform) > 0
+
+
+def sampled_by_vllm(platform: Platform) -> int:
+    """Completions vLLM's server answered (its log), so the samples did not fall back."""
+    logs = (platform.data_dir).rglob("vllm/*.log")
+    return sum(p.read_text(errors="replace").count('"POST /v1/completions') for p in logs)
