@@ -296,7 +296,8 @@ ROUTES: dict[str, RouteDoc] = {
     ),
     # -- the rest of the Tinker surface (docs/tinker-compatibility.md)
     "checkpoints.save_weights_external": RouteDoc(
-        "A PEFT adapter folder of the model as tinker://<model>/external_weights/<name>",
+        "A PEFT adapter folder of the model as tinker://<model>/external_weights/<name>; with "
+        "age_encryption_recipients, each file age-encrypted to them as <file>.age",
         "checkpoints", body=schemas_tinker_extras.SaveWeightsExternal, future=True,
     ),
     "checkpoint_sharing.publish": RouteDoc(

@@ -2,7 +2,10 @@
 
 A training checkpoint (`weights/<name>`) is a PEFT adapter folder plus the optimizer state; a
 sampler checkpoint (`sampler_weights/<name>`) is the adapter folder, or with `merge_weights` a
-full Hugging Face model folder loadable by `transformers` alone. Files go under the storage
+full Hugging Face model folder loadable by `transformers` alone; external weights
+(`external_weights/<name>`) are the adapter folder, each file age-encrypted as `<file>.age` when
+the save names recipients (the plaintext only in this process's private temporary folder, each
+file removed once encrypted, the folder before the save completes). Files go under the storage
 prefix the API built for the tenant. Imports platform and the engine; never api.
 """
 
@@ -17,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from treadle.engine import EngineAPI
-from treadle.platform.checkpoints import checkpoints
+from treadle.platform.checkpoints import age_encryption, checkpoints
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.eventlog import events
 from treadle.platform.eventlog.optypes import SaveWeights
@@ -59,9 +62,14 @@ def save(
             engine.export_merged(session_id, folder)
         else:
             engine.export_adapter(session_id, folder, with_optimizer=payload.with_optimizer)
+        if payload.age_encryption_recipients is not None:
+            age_encryption.seal_folder(folder, payload.age_encryption_recipients)
         size = _upload(store, folder, payload.prefix)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+    recipients = payload.age_encryption_recipients
+    sealed = {"age_recipients": len(recipients)} if recipients is not None else {}
 
     def register(conn: sa.Connection) -> dict[str, Any]:
         saved = checkpoints.register(
@@ -81,7 +89,7 @@ def save(
             tenant_id,
             "CheckpointSaved",
             {"path": str(path), "version": saved.version, "group": saved.model_package_group,
-             "size_bytes": size, "merged": saved.is_merged},
+             "size_bytes": size, "merged": saved.is_merged, **sealed},
         )  # fmt: skip
         return {"model_package_group": saved.model_package_group, "version": saved.version}
 

@@ -1,5 +1,6 @@
 """Checkpoint routes: save_weights (save_state), save_weights_for_sampler (named, merged or
-ephemeral), save_weights_external (a PEFT adapter folder as tinker://<run>/external_weights/<name>),
+ephemeral), save_weights_external (a PEFT adapter folder as tinker://<run>/external_weights/<name>,
+its files age-encrypted as <file>.age when the request names age_encryption_recipients),
 load_weights (create-via-load and legacy load_state), and the Tinker REST registry
 (training_runs, checkpoints, weights_info). Reading a checkpoint (loading it, its weights info,
 its files) works for the caller's tenant's and for published ones (platform.publishing); the
@@ -27,7 +28,7 @@ from treadle.api.tinker.schemas import (
     WeightsInfo,
 )
 from treadle.api.tinker.schemas_extras import SaveWeightsExternal
-from treadle.platform.checkpoints import checkpoints, publishing
+from treadle.platform.checkpoints import age_encryption, checkpoints, publishing
 from treadle.platform.errors import NotFoundError, ValidationError
 from treadle.platform.eventlog import optypes
 from treadle.platform.operations import commands, operations
@@ -46,6 +47,7 @@ def _submit_save(
     with_optimizer: bool,
     merge_weights: bool,
     overwrite: bool = True,
+    age_encryption_recipients: list[str] | None = None,
 ) -> Any:
     """Admit a checkpoint save: the worker writes the files and registers the version."""
     path = checkpoints.CheckpointPath(model_id, kind, checkpoints.validate_name(name))
@@ -59,6 +61,7 @@ def _submit_save(
         ttl_seconds=ttl_seconds,
         with_optimizer=with_optimizer,
         merge_weights=merge_weights,
+        age_encryption_recipients=age_encryption_recipients,
     )
     admission = submit(model_id, seq_id, payload)
     return jsonify(request_id=admission.request_id, model_id=model_id)
@@ -140,12 +143,8 @@ def save_weights_for_sampler() -> Any:
 @bp.post("/save_weights_external")
 def save_weights_external() -> Any:
     body = parse_training(SaveWeightsExternal)
-    if body.age_encryption_recipients is not None:
-        raise ValidationError(
-            "age_encryption_recipients is not supported: Treadle stores exported weights "
-            "unencrypted under your tenant's storage prefix; omit age_encryption_recipients and "
-            "encrypt the downloaded files yourself (age -r <recipient>)"
-        )
+    if body.age_encryption_recipients is not None:  # refused before anything is recorded
+        age_encryption.parse_recipients(body.age_encryption_recipients)
     return _submit_save(
         body.model_id,
         body.seq_id,
@@ -154,6 +153,7 @@ def save_weights_external() -> Any:
         ttl_seconds=body.ttl_seconds,
         with_optimizer=False,
         merge_weights=False,
+        age_encryption_recipients=body.age_encryption_recipients,
     )
 
 

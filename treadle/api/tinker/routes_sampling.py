@@ -15,7 +15,7 @@ from treadle.api.admission import submit
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
 from treadle.api.tinker.schemas import CreateSamplingSession, PromptIdTable, Sample
-from treadle.platform.checkpoints import publishing
+from treadle.platform.checkpoints import age_encryption, publishing
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
 from treadle.platform.models import validation
@@ -42,6 +42,15 @@ def create_sampling_session() -> Any:
             raise ValidationError(
                 f"{body.model_path} is a merged model export; sample from the adapter checkpoint "
                 "(save without merge_weights) or load the folder with transformers"
+            )
+        prefix = checkpoint.storage_prefix + "/"
+        if checkpoint.path.kind == "external_weights" and age_encryption.is_sealed(
+            services().store.list(prefix)
+        ):
+            raise ValidationError(
+                f"{body.model_path} is age-encrypted (saved with age_encryption_recipients), so "
+                "Treadle cannot read it; sample from the training checkpoint it was exported "
+                "from, or export it again without age_encryption_recipients"
             )
     if base_model is None:
         raise ValidationError("create_sampling_session needs base_model or model_path")

@@ -11,9 +11,9 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from treadle.api.body import MAX_ID, MAX_TTL, Body, Id
+from treadle.platform.checkpoints.age_encryption import MAX_RECIPIENTS
 from treadle.platform.operations.futures import CLONE_BLOCK
 
-MAX_RECIPIENTS = 10  # the SDK's documented limit of age recipients
 MAX_ACKNOWLEDGED = 10_000
 Recipient = Annotated[str, Field(max_length=4096)]
 

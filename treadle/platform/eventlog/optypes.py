@@ -195,7 +195,8 @@ class OptimStep(Payload):
 
 
 class SaveWeights(Payload):
-    """Write a checkpoint (`weights/<name>` or `sampler_weights/<name>`) and register it."""
+    """Write a checkpoint (`weights/<name>`, `sampler_weights/<name>` or
+    `external_weights/<name>`) and register it."""
 
     TYPE = OpType.SAVE_WEIGHTS
     path: str
@@ -204,6 +205,8 @@ class SaveWeights(Payload):
     with_optimizer: bool
     merge_weights: bool
     description: str | None = None  # kept with the checkpoint (SageMaker's `description`)
+    # external weights only: every file stored age-encrypted to these public keys, as <name>.age
+    age_encryption_recipients: list[str] | None = None
 
 
 class SaveWeightsForSampler(Payload):
