@@ -76,7 +76,7 @@ def test_a_custom_graph_runs_in_one_pass_and_matches_direct_pytorch(
         total = total + (-torch.log(torch.sigmoid(reward)) + 0.1 * (lp**2).mean())
         rewards += float(reward.detach())
         won += float(reward > 0)
-    assert out.metrics["loss:sum"] == pytest.approx(float(total), rel=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(float(total.detach()), rel=1e-5)
     assert out.metrics["custom/reward:sum"] == pytest.approx(rewards, rel=1e-5)
     assert out.metrics["custom/won:mean"] == pytest.approx(won / len(data))
     assert set(out.outputs[0]) == {"logprobs"}  # the metrics' carriers are gone
