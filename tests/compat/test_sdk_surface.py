@@ -371,8 +371,7 @@ REFUSED = "refused, documented: "
 SURFACE: dict[str, Exercise | str] = {
     "ServiceClient.close": _close,
     "ServiceClient.copy_weights": _service_copy_weights,  # type: ignore[dict-item]
-    "ServiceClient.create_custom_loss": REFUSED + "a server-side custom loss is a 400 saying to "
-    "use forward_backward_custom (docs/tinker-compatibility.md, docs/losses-and-sampling.md)",
+    "ServiceClient.create_custom_loss": ELSEWHERE + "test_custom_losses.py",
     "ServiceClient.create_lora_training_client": _create_lora_training_client,
     "ServiceClient.create_rest_client": _create_rest_client,
     "ServiceClient.create_sampling_client": _create_sampling_client,

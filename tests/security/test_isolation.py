@@ -531,7 +531,36 @@ CASES: dict[str, Cases | str] = {
     "tinker_extras.api_key_me": "the presented key's own metadata: no id to name",
     "tinker_extras.delete_api_key_me": "revokes the presented key itself: no id to name",
     "tinker_extras.auth_token": "refused for every key (400): no id to name",
-    "tinker_extras.create_custom_loss": "refused for every key (400): no id to name",
+    "tinker_custom_losses.create_custom_loss": lambda i: [
+        Case(
+            "POST",
+            "/api/v1/create_custom_loss",
+            {
+                "session_id": i["session"],
+                "custom_loss_seq_id": 0,
+                "name": "total",
+                "inputs": [{"name": "logprobs", "rank": 1}],
+                "graph": {
+                    "format": 1,
+                    "nodes": [
+                        {"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+                        {
+                            "op": "call_method",
+                            "name": "s",
+                            "target": "sum",
+                            "args": [{"ref": "logprobs"}],
+                        },
+                        {
+                            "op": "output",
+                            "name": "output",
+                            "target": "output",
+                            "args": [{"tuple": [{"ref": "s"}, {"dict": {}}]}],
+                        },
+                    ],
+                },
+            },
+        )  # fmt: skip
+    ],
 }
 
 

@@ -226,6 +226,7 @@ ENGINE_PLATFORM = {
     "treadle.platform.models.lora_names",  # the LoRA target rules registration applies too
     "treadle.platform.models.structure",  # the layer types registration admits, the sampler's
     "treadle.platform.models.losses",
+    "treadle.platform.models.custom_losses",  # the graph rules admission checks, re-checked
     "treadle.platform.models.tokenizers",
     "treadle.platform.models.validation",
 }

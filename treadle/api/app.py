@@ -31,6 +31,7 @@ from treadle.api.tinker import (
     routes_training,
 )
 from treadle.api.tinker import routes_client_sessions as routes_tinker_sessions
+from treadle.api.tinker import routes_custom_losses as routes_tinker_custom_losses
 from treadle.api.tinker import routes_extras as routes_tinker_extras
 from treadle.api.tinker import routes_futures_extra as routes_tinker_futures
 from treadle.api.treadle import (
@@ -113,6 +114,7 @@ def create_app(config: PlatformConfig) -> Flask:
         routes_checkpoint_sharing,
         routes_tinker_futures,
         routes_tinker_extras,
+        routes_tinker_custom_losses,
         routes_status,
         routes_metrics,
         routes_openai,

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,9 +36,11 @@ from treadle.engine.lora.adapters import (
     compute_dtype,
 )
 from treadle.engine.lora.snapshots import Snapshot, Snapshots
-from treadle.engine.losses import passes
+from treadle.engine.losses import custom_graph, passes
 from treadle.engine.losses.functions import (
     EngineDatum,
+    LossFn,
+    custom_arrays,
     get_loss,
     validate_data,
 )
@@ -315,6 +318,7 @@ class Engine:
         forward_only: bool = False,
         pass_tokens: int | None = None,
         interrupt: Interrupt | None = None,
+        custom_loss: Mapping[str, Any] | None = None,
     ) -> ForwardBackwardResult:
         """Per-datum target logprobs and losses; unless `forward_only`, add the gradient of the
         summed loss to the adapter's accumulated grads. The request runs in parts of at most
@@ -322,22 +326,35 @@ class Engine:
         engine's `parallel` and added in their order, so the result is the same bit for bit at
         every world size (`training.forward_backward`) and for the same `pass_tokens`, which the
         result reports. `interrupt` is called between parts: what it raises ends the call with
-        no gradient added."""
+        no gradient added. With `custom_loss` (loss_fn "custom": a recorded create_custom_loss
+        graph, `custom_graph`) each datum's loss is that graph's on its logprobs, in the same
+        pass, and its metrics are reported beside `loss:sum`."""
         if pass_tokens is not None and pass_tokens < 1:
             raise ValidationError(f"pass_tokens is {pass_tokens}; it must be at least 1")
-        loss = get_loss(loss_fn)
-        config = resolve_config(loss.spec, loss_fn_config)
+        loss: LossFn | custom_graph.CustomLossGraph
+        if loss_fn == "custom" and custom_loss is not None:
+            loss, config = custom_graph.build(custom_loss), {}
+        else:
+            loss = get_loss(loss_fn)
+            config = resolve_config(loss.spec, loss_fn_config)
         with self._lock:
             adapter = self._use(adapter_id)
             base = self._bases[adapter.base_model]
-            arrays = validate_data(
-                data,
-                loss,
-                vocab_size=base.model.config.vocab_size,
-                max_context_length=base.info.max_context_length,
-                config=config,
-                model_name=base.info.name,
-            )
+            vocab_size = base.model.config.vocab_size
+            context, name = base.info.max_context_length, base.info.name
+            if isinstance(loss, custom_graph.CustomLossGraph):
+                arrays = custom_arrays(
+                    data, loss, vocab_size=vocab_size, max_context_length=context, model_name=name
+                )
+            else:
+                arrays = validate_data(
+                    data,
+                    loss,
+                    vocab_size=vocab_size,
+                    max_context_length=context,
+                    config=config,
+                    model_name=name,
+                )
             budget = pass_tokens or self._pass_budget(base)
             outputs, total = training.forward_backward(
                 base,
@@ -353,7 +370,10 @@ class Engine:
                 interrupt=interrupt,
             )
         train_tokens = sum(len(a["tokens"]) for a in arrays)
-        return ForwardBackwardResult(outputs, {"loss:sum": total}, train_tokens, budget)
+        metrics = {"loss:sum": total}
+        if isinstance(loss, custom_graph.CustomLossGraph):
+            metrics.update(custom_graph.reduce_metrics(outputs))
+        return ForwardBackwardResult(outputs, metrics, train_tokens, budget)
 
     def pass_budget(self, adapter_id: str) -> int:
         """The padded tokens a pass of `adapter_id`'s forward_backward holds here unless the

@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -290,6 +290,7 @@ class EngineAPI(Protocol):
         forward_only: bool = False,
         pass_tokens: int | None = None,
         interrupt: Interrupt | None = None,
+        custom_loss: Mapping[str, Any] | None = None,
     ) -> ForwardBackwardResult: ...
 
     @sets_weights

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from treadle.engine.gradients import PairwiseSum, flatten, unflatten
 from treadle.engine.lora.adapters import LoraHost, TrainableLora, compute_dtype
 from treadle.engine.losses.chunked_logprobs import wants_checkpointing
+from treadle.engine.losses.custom_graph import CustomLossGraph
 from treadle.engine.losses.functions import (
     MICROBATCH_LOGITS,
     LossFn,
@@ -60,7 +61,7 @@ def forward_backward(
     base: Base,
     lora: TrainableLora,
     arrays: list[dict[str, np.ndarray]],
-    loss: LossFn,
+    loss: LossFn | CustomLossGraph,
     config: Mapping[str, float],
     *,
     parallel: Parallelism,
@@ -136,7 +137,7 @@ def optim_step(lora: TrainableLora, adam: AdamSpec, device: torch.device) -> dic
 def _part(
     base: Base,
     arrays: list[dict[str, np.ndarray]],
-    loss: LossFn,
+    loss: LossFn | CustomLossGraph,
     config: Mapping[str, float],
     params: list[torch.Tensor],
     forward_only: bool,

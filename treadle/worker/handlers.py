@@ -163,6 +163,7 @@ def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
         forward_only=p.forward_only,
         pass_tokens=pass_tokens,
         interrupt=call.interrupt,
+        custom_loss=None if p.custom_loss is None else p.custom_loss.model_dump(mode="json"),
     )
     tokens = no_tokens()
     tokens["prefill" if p.forward_only else "train"] = out.train_tokens

@@ -6,9 +6,8 @@
 - `POST /api/v1/join_sampling_session`: the next clone number of a sampling session.
 - `GET|DELETE /api/v1/auth/apikey/me` (`tinker auth login` / `logout`): the presented key's
   public metadata, or its revocation (an operator key is revoked with `treadle keys` only).
-- `POST /api/v1/auth/token` and `POST /api/v1/create_custom_loss`: refused with a 400 that says
-  what to do instead; the SDK sends neither while POST /api/v1/client/config leaves
-  `pjwt_auth_enabled` and `custom_loss_server_side` off, as Treadle's does.
+- `POST /api/v1/auth/token`: refused with a 400 that says what to do instead; the SDK sends
+  none while POST /api/v1/client/config leaves `pjwt_auth_enabled` off, as Treadle's does.
 
 Views parse, call the platform, serialise. Imports platform only; never torch.
 """
@@ -91,13 +90,4 @@ def auth_token() -> Any:
     raise ValidationError(
         "Treadle exchanges no keys for JWTs (POST /api/v1/client/config answers "
         "pjwt_auth_enabled=false): send your tml- key as X-API-Key on every request"
-    )
-
-
-@bp.post("/create_custom_loss")
-def create_custom_loss() -> Any:
-    raise ValidationError(
-        "server-side custom losses are not supported (POST /api/v1/client/config leaves "
-        "custom_loss_server_side false): TrainingClient.forward_backward_custom computes a "
-        "custom loss in your process from the logprobs of a forward pass"
     )

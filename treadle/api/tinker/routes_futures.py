@@ -18,10 +18,12 @@ from flask import Blueprint, Response, jsonify
 
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
+from treadle.api.tinker.routes_custom_losses import loss_future
 from treadle.api.tinker.schemas import RetrieveFuture
 from treadle.api.tinker.wire import encode_forward_backward_output, encode_sample_response
 from treadle.platform import db
 from treadle.platform.eventlog.optypes import OpStatus, OpType
+from treadle.platform.models.custom_losses import LOSS_ID_PREFIX
 from treadle.platform.operations import operations
 
 bp = Blueprint("futures", __name__)
@@ -42,6 +44,8 @@ PROTO_RESULTS: dict[OpType, Callable[[Any], bytes]] = {
 @bp.post("/api/v1/retrieve_future")
 def retrieve_future() -> Any:
     body = parse(RetrieveFuture, json_body())
+    if body.request_id.startswith(LOSS_ID_PREFIX):  # create_custom_loss: settled when stored
+        return jsonify(loss_future(body.request_id))
     svc = services()
     who = principal()
 

@@ -67,11 +67,13 @@ def client_config() -> Any:
     # (zstd bodies are refused). A request refused for money (402) is retried every 5 s for
     # the operator's billing pause (whole seconds: the SDK reads an int), then raised; with the
     # default 0 a loop ends after one retry instead of the SDK's hour. Its defaults otherwise
-    # hold.
+    # hold, but for custom losses, which run on the server (routes_custom_losses).
     config = services().config
     return jsonify(
         use_pyqwest_transport=False,
         pjwt_auth_enabled=False,
+        # create_custom_loss uploads the traced loss; forward_backward runs it in one pass
+        custom_loss_server_side=True,
         proto_compress_fwdbwd=False,
         fwdbwd_max_chunk_len=validation.FWDBWD_MAX_CHUNK_LEN,
         fwdbwd_max_chunk_bytes_count=config.fwdbwd_chunk_bytes,

@@ -15,12 +15,13 @@ from flask import Blueprint, jsonify, request
 from treadle.api.admission import expect_seq, parse_training, submit
 from treadle.api.body import parse
 from treadle.api.context import base_model_of, json_body, principal, services
+from treadle.api.tinker import routes_custom_losses
 from treadle.api.tinker.schemas import CreateModel, ModelRef, OptimStep
 from treadle.api.tinker.wire import decode_forward_backward
 from treadle.platform.billing import prices
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
-from treadle.platform.models import validation
+from treadle.platform.models import custom_losses, validation
 from treadle.platform.operations import commands, operations, recorded_samples
 from treadle.platform.sessions import sessions as sessions_core
 
@@ -102,21 +103,37 @@ def forward_backward() -> Any:
     model_id, payload = decoded["model_id"], decoded["payload"]
     if decoded["seq_id"] < 1:
         raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
-    spec, payload["loss_fn_config"] = validation.validate_forward_backward(
-        payload, services().models.get(base_model_of(model_id))
-    )
+    model = services().models.get(base_model_of(model_id))
     with_request = None
+    if payload["loss_fn"] == "custom":  # create_custom_loss's: its content goes into the event
+        if decoded["loss_id"] is None:
+            raise ValidationError(
+                "loss_fn 'custom' needs loss_fn_config['loss_id'], the id create_custom_loss "
+                "returned; pass the LossHandle to forward_backward_custom"
+            )
+        payload["custom_loss"] = routes_custom_losses.resolve(decoded["loss_id"])
+        custom_losses.validate_custom_forward_backward(payload, model, payload["custom_loss"])
+        for datum in payload["data"]:
+            datum.pop("provenance", None)
+        return _submit(model_id, decoded["seq_id"], payload, None)
+    spec, payload["loss_fn_config"] = validation.validate_forward_backward(payload, model)
     if spec.reads_provenance:
         with_request = _with_provenance(model_id, payload["data"])
         validation.validate_sampled_advantages(payload["data"], spec)
     else:  # a loss that does not read provenance ignores it
         for datum in payload["data"]:
             datum.pop("provenance", None)
+    return _submit(model_id, decoded["seq_id"], payload, with_request)
+
+
+def _submit(
+    model_id: str,
+    seq_id: int,
+    payload: dict[str, Any],
+    with_request: Callable[[sa.Connection, operations.Admission], None] | None,
+) -> Any:
     admission = submit(
-        model_id,
-        decoded["seq_id"],
-        optypes.ForwardBackward.model_validate(payload),
-        with_request=with_request,
+        model_id, seq_id, optypes.ForwardBackward.model_validate(payload), with_request=with_request
     )
     return jsonify(request_id=admission.request_id, model_id=model_id)
 

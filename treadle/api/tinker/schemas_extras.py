@@ -1,12 +1,12 @@
 """Request bodies of the rest of the Tinker surface: copy_weights, save_weights_external,
-cancel_future, retrieve_futures, join_sampling_session and a session's project, as pydantic
+cancel_future, retrieve_futures, join_sampling_session, a session's project and create_custom_loss, as pydantic
 models shaped like the tinker SDK's own request types (tinker/types/*_request.py). Unknown fields
 are ignored, as in `schemas`; every field is bounded. Imports platform only; never torch.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -58,3 +58,14 @@ class JoinSamplingSession(Body):
 
 class AssignProject(Body):
     project_id: Id
+
+
+class CreateCustomLoss(Body):
+    """The SDK's CreateCustomLossRequest; `inputs` and `graph` are checked node by node by
+    `treadle.platform.models.custom_losses.validate_loss`."""
+
+    session_id: Id
+    custom_loss_seq_id: int = Field(ge=0, le=MAX_ID)
+    name: str = Field(max_length=128)
+    inputs: list[dict[str, Any]] = Field(max_length=32)
+    graph: dict[str, Any]

@@ -62,7 +62,8 @@ _NOT_A_REQUEST = "send it with Content-Type: application/x-protobuf as the tinke
 def decode_forward_backward(
     body: bytes, on_seq: Callable[[str, int], None] | None = None
 ) -> dict[str, Any]:
-    """Parse a ForwardBackwardRequest into {model_id, seq_id, payload}.
+    """Parse a ForwardBackwardRequest into {model_id, seq_id, payload, loss_id} (loss_id: a
+    custom loss's, sent as loss_fn_config["loss_id"] with loss_fn "custom"; else None).
 
     `on_seq(model_id, seq_id)` runs as soon as those are read, before the rest is checked (the
     route notes the seq_id, so a refusal of the request's contents releases it).
@@ -83,12 +84,17 @@ def decode_forward_backward(
     if any("\x00" in k for k in [*msg.loss_fn_config, *msg.loss_fn_config_v2]):
         raise ValidationError("a loss_fn_config key contains a NUL character")
     config: dict[str, float] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    loss_id: str | None = None
     for key, value in msg.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "number":
             config[key] = float(value.number)
         elif value.WhichOneof("value") == "text":
+            if key == "loss_id" and msg.loss_fn == "custom":  # create_custom_loss's id
+                loss_id = value.text
+                continue
             raise ValidationError(
-                f"loss_fn_config[{key!r}] is a string; only numeric loss_fn_config values are accepted"
+                f"loss_fn_config[{key!r}] is a string; only numeric loss_fn_config values are "
+                "accepted (a string loss_id only with loss_fn 'custom')"
             )
     budget = _Budget(len(body))
     data = [_datum(i, d, budget) for i, d in enumerate(msg.data)]
@@ -101,6 +107,7 @@ def decode_forward_backward(
             "forward_only": bool(msg.forward_only),
             "data": data,
         },
+        "loss_id": loss_id,
     }
 
 

@@ -134,6 +134,7 @@ class GroupExecutor:
         forward_only: bool = False,
         pass_tokens: int | None = None,
         interrupt: Interrupt | None = None,
+        custom_loss: Mapping[str, Any] | None = None,
     ) -> ForwardBackwardResult:
         if pass_tokens is None and self.engine.has_adapter(adapter_id):
             # Rank 0's budget for every rank: the ranks must cut the request the same way,
@@ -148,6 +149,7 @@ class GroupExecutor:
             forward_only=forward_only,
             pass_tokens=pass_tokens,
             interrupt=interrupt,
+            custom_loss=custom_loss,
         )
         return result
 

@@ -27,8 +27,9 @@ from treadle.engine.losses.chunked_logprobs import (
     target_logprobs,
     wants_checkpointing,
 )
+from treadle.engine.losses.custom_graph import CustomLossGraph, datum_outputs
 from treadle.platform.errors import ValidationError
-from treadle.platform.models import validation
+from treadle.platform.models import custom_losses, validation
 from treadle.platform.models.losses import LOSS_SPECS, LossSpec, get_loss_spec, resolve_config
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "EngineDatum",
     "LossFn",
     "batch_loss",
+    "custom_arrays",
     "get_loss",
     "microbatches",
     "padded_tokens",
@@ -281,7 +283,7 @@ def padded_tokens(arrays: list[dict[str, np.ndarray]]) -> int:
 def batch_loss(
     model: PreTrainedModel,
     arrays: list[dict[str, np.ndarray]],
-    loss: LossFn,
+    loss: LossFn | CustomLossGraph,
     config: Mapping[str, float],
     *,
     logits_per_chunk: int | None = MICROBATCH_LOGITS,
@@ -314,7 +316,10 @@ def batch_loss(
     mask_B_T = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(device)
     tokens_B_T = padded("tokens", torch.long)
     targets_B_T = padded("target_tokens", torch.long)
-    inputs = {name: padded(name, torch.float32) for name in loss.spec.tensor_inputs}
+    inputs = {
+        name: padded(name, torch.float32)
+        for name in (() if isinstance(loss, CustomLossGraph) else loss.spec.tensor_inputs)
+    }
     planned = len(arrays) * width if plan_tokens is None else plan_tokens
     if planned * model.config.vocab_size <= FULL_LOGITS_AT_MOST:
         logits_per_chunk = None  # small enough to compute whole, the fastest way
@@ -331,6 +336,8 @@ def batch_loss(
             logits_per_chunk=logits_per_chunk,
             plan_tokens=plan_tokens,
         )
+    if isinstance(loss, CustomLossGraph):
+        return _custom_outputs(loss, logprobs_B_T, arrays, lengths, device)
     elementwise_B_T = torch.where(mask_B_T, loss.compute(logprobs_B_T, inputs, config), 0.0)
     logprobs_np = logprobs_B_T.detach().cpu().numpy()
     elementwise_np = elementwise_B_T.detach().cpu().numpy()
@@ -342,3 +349,56 @@ def batch_loss(
         for row, n in enumerate(lengths)
     ]
     return outputs, elementwise_B_T.sum()
+
+
+def _custom_outputs(
+    graph: CustomLossGraph,
+    logprobs_B_T: Tensor,
+    arrays: list[dict[str, np.ndarray]],
+    lengths: list[int],
+    device: torch.device,
+) -> tuple[list[dict[str, np.ndarray]], Tensor]:
+    """A custom loss on each datum's logprobs (`custom_graph`): per datum its `logprobs` and
+    metrics, and the losses summed in datum order, as the SDK's client-side path sums them."""
+    outputs: list[dict[str, np.ndarray]] = []
+    total: Tensor | None = None
+    for row, n in enumerate(lengths):
+        logprobs_T = logprobs_B_T[row, :n]
+        loss, metrics = datum_outputs(graph, logprobs_T, arrays[row], device)
+        total = loss if total is None else total + loss
+        outputs.append({"logprobs": logprobs_T.detach().cpu().numpy().copy(), **metrics})
+    assert total is not None, "a pass holds at least one datum"
+    return outputs, total
+
+
+def custom_arrays(
+    data: Sequence[EngineDatum],
+    graph: CustomLossGraph,
+    *,
+    vocab_size: int,
+    max_context_length: int,
+    model_name: str = "the model",
+) -> list[dict[str, np.ndarray]]:
+    """Every datum checked for the custom loss `graph` by the platform's rules (the ones
+    admission runs: `custom_losses.validate_custom_forward_backward`); per datum `tokens` and
+    `target_tokens` int64 [T] and each input the loss reads, float32 of its rank."""
+    if not data:
+        raise ValidationError("data is empty; send at least one datum")
+    limits = validation.Limits(model_name, vocab_size, max_context_length)
+    loss_inputs = [{"name": name, "rank": rank} for name, rank in graph.inputs]
+    out = []
+    for i, datum in enumerate(data):
+        tokens = np.asarray(datum.tokens)
+        if "target_tokens" not in datum.loss_fn_inputs:
+            raise ValidationError(f"datum {i}: loss_fn_inputs has no target_tokens")
+        targets = {"target_tokens": np.asarray(datum.loss_fn_inputs["target_tokens"])}
+        validation.check_datum(i, tokens, targets, custom_losses.TARGETS_ONLY, limits)
+        arrays = custom_losses.check_custom_datum(i, tokens.size, datum.loss_fn_inputs, loss_inputs)
+        out.append(
+            {
+                "tokens": tokens.astype(np.int64),
+                "target_tokens": targets["target_tokens"].astype(np.int64),
+                **arrays,
+            }
+        )
+    return out

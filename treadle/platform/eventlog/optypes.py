@@ -158,12 +158,37 @@ class Datum(BaseModel):
     provenance: Provenance | None = None  # kept only for losses that read it
 
 
+class CustomLossInput(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    rank: Literal[0, 1]
+
+
+class CustomLoss(BaseModel):
+    """A loss made with create_custom_loss, whole: its id is `closs-` + the sha256 of the
+    canonical JSON of the rest (`platform.models.custom_losses`), so the event that runs it
+    carries the content its id names and replay needs nothing else."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    loss_id: str
+    name: str
+    inputs: list[CustomLossInput]
+    nodes: list[dict[str, Any]]
+
+
 class ForwardBackward(Payload):
     TYPE = OpType.FORWARD_BACKWARD
     loss_fn: str
     loss_fn_config: dict[str, float]
     forward_only: bool
     data: list[Datum]
+    custom_loss: CustomLoss | None = None  # with loss_fn "custom"
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if self.custom_loss is None:  # as forward_backward was recorded before custom losses
+            del out["custom_loss"]
+        return out
 
     @property
     def changes_state(self) -> bool:

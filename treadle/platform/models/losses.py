@@ -110,9 +110,9 @@ LOSS_SPECS: dict[str, LossSpec] = {
 # Names the tinker SDK's LossFnType lists that this server refuses, and why (a 400 naming them).
 UNSERVED_LOSSES: dict[str, str] = {
     "custom": (
-        "loss_fn 'custom' (a server-side loss registered with create_custom_loss) is not "
-        "served; pass a Python function to forward_backward_custom, which runs the loss on "
-        "the client and sends cross_entropy"
+        "loss_fn 'custom' runs a loss made with ServiceClient.create_custom_loss and needs "
+        "its loss_fn_config['loss_id']: pass the LossHandle to forward_backward_custom "
+        "(Tinker protocol only), or a Python function, which runs the loss on the client"
     ),
 }
 

@@ -120,12 +120,12 @@ def validate_forward_backward(
     if len(data) > MAX_DATUMS:
         raise ValidationError(f"{len(data)} datums in one request; send at most {MAX_DATUMS}")
     for i, datum in enumerate(data):
-        inputs = {name: _array(i, name, t) for name, t in datum["loss_fn_inputs"].items()}
+        inputs = {name: tensor_array(i, name, t) for name, t in datum["loss_fn_inputs"].items()}
         check_datum(i, _array_of(datum["tokens"], "int64"), inputs, spec, model)
     return spec, config
 
 
-def _array(i: int, name: str, tensor: Mapping[str, Any]) -> np.ndarray:
+def tensor_array(i: int, name: str, tensor: Mapping[str, Any]) -> np.ndarray:
     """A decoded TensorData (dtype, shape, flat data) as the array it describes."""
     if tensor["dtype"] not in ("int64", "float32"):
         raise ValidationError(
