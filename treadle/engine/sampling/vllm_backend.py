@@ -69,7 +69,8 @@ class VllmBackend:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="vllm")
 
     def adapter(self, snapshot_id: str, weights: LoraWeights) -> str:
-        """The name the snapshot's weights are served under, their folder written if new."""
+        """The name the snapshot's weights (or another adapter's, by an id of its own) are
+        served under, their folder written if new."""
         with self._lock:
             known = self._names.get(snapshot_id)
             if known is not None and known[0] == id(weights):
@@ -102,7 +103,7 @@ class VllmBackend:
             self._loaded.discard(name)
             shutil.rmtree(self._adapter_dir / name, ignore_errors=True)
 
-    def run(self, job: SampleJob, adapter: str | None, seed: int) -> SampleResult:
+    def run(self, job: SampleJob, adapter: str, seed: int) -> SampleResult:
         """The job's result, from the server (started again if it died, and the job resent)."""
         for attempt in range(_ATTEMPTS):
             url = self.server.ensure()
@@ -122,8 +123,8 @@ class VllmBackend:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.server.close()
 
-    def _run_once(self, url: str, job: SampleJob, adapter: str | None, seed: int) -> SampleResult:
-        model = "base" if adapter is None else self._load(url, adapter)
+    def _run_once(self, url: str, job: SampleJob, adapter: str, seed: int) -> SampleResult:
+        model = self._load(url, adapter)
         prompt = list(job.prompt)
         params = job.params
         samples = []

@@ -22,17 +22,22 @@ from treadle.engine.sampling.rules import SampleResult
 from treadle.engine.sampling.vllm_backend import VllmBackend
 from treadle.platform.errors import NotFoundError, UnavailableError, ValidationError
 
-__all__ = ["STEP_SECONDS", "VllmBatch"]
+__all__ = ["BASE_ADAPTER", "STEP_SECONDS", "VllmBatch"]
+
+# What `Validate` names the adapter that serves the base model alone (B = 0).
+BASE_ADAPTER = "\0base"
+
 
 # How long `step` waits for a request to finish when none has.
 STEP_SECONDS = 0.02
 
-Validate = Callable[[SampleRequest], tuple[SampleJob, LoraWeights | None]]
+Validate = Callable[[SampleRequest], tuple[SampleJob, str, LoraWeights]]
 
 
 class VllmBatch:
-    """Requests on `backend`'s base model; `validate` gives a request's job and its snapshot's
-    float32 weights (None: the base model), or raises what is wrong with it."""
+    """Requests on `backend`'s base model; `validate` gives a request's job, the id of the
+    adapter it is sampled with (its snapshot's, or `BASE_ADAPTER`) and that adapter's float32
+    weights, or raises what is wrong with it."""
 
     def __init__(self, backend: VllmBackend, validate: Validate) -> None:
         self._backend = backend
@@ -56,12 +61,9 @@ class VllmBatch:
                         f"this batch samples {self._backend.base_model!r}, not "
                         f"{request.base_model!r}"
                     )
-                job, weights = self._validate(request)
+                job, adapter_id, weights = self._validate(request)
                 vllm_requests.check_supported(job.scoring)
-                adapter = None
-                if weights is not None:
-                    assert request.snapshot_id is not None
-                    adapter = self._backend.adapter(request.snapshot_id, weights)
+                adapter = self._backend.adapter(adapter_id, weights)
             except (ValidationError, NotFoundError, UnavailableError) as exc:
                 finished.append((key, exc))
                 continue
