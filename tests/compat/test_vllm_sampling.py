@@ -29,7 +29,7 @@ from tests.databases import private_database
 from tests.vllm_env import vllm_python
 from treadle.platform.models import catalog
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.vllm
 
 SMOLLM2 = catalog.SMOLLM2_NAME
 PROMPT = [1, 504, 3458, 314, 253, 1789, 30, 378]
