@@ -153,6 +153,9 @@ def test_count_tokens_equals_the_metered_input_tokens(platform: Platform, tok) -
     continued = tok.encode(open_turn + "Hi, I am", add_special_tokens=False)
     counted = client.messages.count_tokens(model=BASE_MODEL, messages=prefill)
     assert counted.input_tokens == len(continued)
+    # an empty tools list asks for no tool: served as without one
+    counted = client.messages.count_tokens(model=BASE_MODEL, messages=MESSAGES, tools=[])
+    assert counted.input_tokens == len(_chat_tokens(tok, MESSAGES))
 
 
 def test_the_wire_events_are_anthropics_in_order(platform: Platform, trained, key) -> None:
@@ -204,8 +207,10 @@ def _refusal(caught: pytest.ExceptionInfo[anthropic.APIStatusError]) -> tuple[in
          "messages.0.content.0.type: image inputs are not supported"),
         ({"temperature": 1.5}, "temperature: Input should be less than or equal to 1"),
         ({"frequency_penalty": 1}, "frequency_penalty: Extra inputs are not permitted"),
+        ({"messages": [*MESSAGES, {"role": "assistant", "content": "Hi "}]},
+         "final assistant content cannot end with trailing whitespace"),
     ],
-    ids=["no max_tokens", "tools", "image", "temperature", "unknown field"],
+    ids=["no max_tokens", "tools", "image", "temperature", "unknown field", "prefill space"],
 )  # fmt: skip
 def test_a_bad_request_is_a_400_saying_what_is_wrong(platform, key, change, says) -> None:
     body = {"model": BASE_MODEL, "max_tokens": 4, "messages": MESSAGES} | change

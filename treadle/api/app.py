@@ -57,8 +57,8 @@ PUBLIC_PATHS = ("/healthz", "/api/v1/healthz", "/api/v1/openapi.json", "/metrics
 # /hf/ serves public tokenizer files to hub clients, which send no X-API-Key (routes_hf);
 # an external weights download link carries its own token too (routes_checkpoint_sharing).
 PUBLIC_PREFIXES = ("/api/v1/treadle/traces/", "/hf/", "/api/v1/treadle/downloads/")
-# OpenAI clients send the key as a bearer token; Anthropic clients as x-api-key (X-API-Key,
-# headers being case-insensitive) or, with `auth_token` (and the anthropic SDK since 2.x), so.
+# OpenAI clients send the key as `Authorization: Bearer`; Anthropic clients as `x-api-key` (the
+# X-API-Key header every route reads) or as a bearer token (`auth_token=`, and anthropic 2.x).
 OAI_PREFIX = "/oai/api/v1"
 OAI_BLUEPRINT = "oai"
 BEARER_PREFIXES = ("/v1/", f"{OAI_PREFIX}/", "/anthropic/api/v1/")

@@ -72,14 +72,30 @@ class _Prompt(BaseModel):
     system: str | list[TextBlock] | None = None
 
     def chat(self) -> list[dict[str, str]]:
-        """The conversation as chat-template messages, the system prompt first."""
+        """The conversation as chat-template messages, the system prompt first (an empty final
+        assistant message is no prefill: it is left out)."""
         system = [] if self.system is None else [{"role": "system", "content": _text(self.system)}]
-        return system + [{"role": m.role, "content": m.text()} for m in self.messages]
+        turns = [{"role": m.role, "content": m.text()} for m in self.messages]
+        if turns[-1]["role"] == "assistant" and not turns[-1]["content"]:
+            turns.pop()
+        return system + turns
 
     @property
     def is_prefill(self) -> bool:
-        """A final assistant message: the reply continues its text."""
-        return self.messages[-1].role == "assistant"
+        """A final, non-empty assistant message: the reply continues its text."""
+        last = self.messages[-1]
+        return last.role == "assistant" and bool(last.text())
+
+    @pydantic.model_validator(mode="after")
+    def _prefill_has_no_trailing_space(self) -> _Prompt:
+        last = self.messages[-1]
+        if last.role == "assistant" and last.text() != last.text().rstrip():
+            raise ValueError(
+                "final assistant content cannot end with trailing whitespace; strip it"
+            )
+        if all(m.role == "assistant" and not m.text() for m in self.messages):
+            raise ValueError("the messages hold no content: send at least one user message")
+        return self
 
 
 class CountTokensRequest(_Prompt):
@@ -118,8 +134,10 @@ def parse(model: type[R], payload: Any) -> R:
         raise ValidationError("the request body must be a JSON object; send {...} with its fields")
     reject_nul(payload)
     for name, why in _UNSERVED_FIELDS.items():
-        if payload.get(name) is not None:
+        if payload.get(name):
             raise ValidationError(f"{name}: {why}")
+    # an empty one (`tools: []`, as some harnesses send) asks for nothing: left out
+    payload = {k: v for k, v in payload.items() if k not in _UNSERVED_FIELDS}
     _refuse_unserved_blocks(payload)
     try:
         return model.model_validate(payload)
@@ -136,7 +154,8 @@ def parse(model: type[R], payload: Any) -> R:
         first = errors[0]
         # a union's error names the member type it tried ("content.str"): name the field itself
         where = ".".join(str(p) for p in first["loc"] if not _TYPE_TAG.fullmatch(str(p)))
-        raise ValidationError(f"{where}: {first['msg']}") from None
+        said = first["msg"].removeprefix("Value error, ")
+        raise ValidationError(f"{where}: {said}" if where else said) from None
 
 
 def _refuse_unserved_blocks(payload: dict[str, Any]) -> None:

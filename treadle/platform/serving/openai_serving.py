@@ -47,12 +47,19 @@ def chat_tokens(
         raise ValidationError(
             f"model {model.name} has no chat template; use /v1/completions with a prompt"
         )
-    text = tok.apply_chat_template(
-        list(messages),
-        add_generation_prompt=not continue_final,
-        continue_final_message=continue_final,
-        tokenize=False,
-    )
+    try:
+        text = tok.apply_chat_template(
+            list(messages),
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            tokenize=False,
+        )
+    except Exception as exc:  # the template's own refusal (raise_exception), or transformers'
+        if not isinstance(exc, ValueError | TypeError) and "jinja2" not in type(exc).__module__:
+            raise
+        raise ValidationError(
+            f"model {model.name}'s chat template cannot render these messages: {exc}"
+        ) from None
     return list(tok.encode(text, add_special_tokens=False))
 
 
