@@ -41,22 +41,20 @@ _TYPES = {401: "authentication_error", 402: "billing_error", 403: "permission_er
 @bp.errorhandler(Exception)
 def anthropic_error(exc: Exception) -> Any:
     """Every refusal and failure on /anthropic/ in Anthropic's error shape, with its status."""
-    down = (
-        None
-        if isinstance(exc, TreadleError | HTTPException)
-        else api_errors.dependency_failure(exc)
-    )
-    exc = down or exc
+    if not isinstance(exc, TreadleError | HTTPException):
+        exc = api_errors.dependency_failure(exc) or exc  # PostgreSQL, Redis down: a 503
     if isinstance(exc, UnavailableError):
         response = api_errors.unavailable(exc, services().config.long_poll_seconds)
     elif isinstance(exc, LimitError):
         response = api_errors.refused_by_quota(exc)
     else:
         response = jsonify()
-        response.status_code = (
-            exc.status if isinstance(exc, TreadleError)
-            else exc.code or 500 if isinstance(exc, HTTPException) else 500
-        )  # fmt: skip
+        if isinstance(exc, TreadleError):
+            response.status_code = exc.status
+        elif isinstance(exc, HTTPException):
+            response.status_code = exc.code or 500
+        else:
+            response.status_code = 500
     status = response.status_code
     if isinstance(exc, TreadleError):
         message = exc.message.replace(
