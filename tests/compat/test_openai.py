@@ -3,7 +3,8 @@ completions and chat completions from a live session's sampler weights and from 
 checkpoint, streamed and not, with tokens and logprobs equal to the tinker SDK's `sample` for
 the same prompt tokens and seed; /v1/models lists the caller's live session and checkpoint and
 no other tenant's; another tenant's model is a NotFoundError, an unsupported parameter a
-BadRequestError naming it, a request without a key a 401 in OpenAI's error format."""
+BadRequestError naming it, a request without a key a 401 in OpenAI's error format; Tinker's
+documented path /oai/api/v1 answers exactly as /v1."""
 
 from __future__ import annotations
 
@@ -179,3 +180,31 @@ def test_a_request_without_a_key_is_a_401_in_openais_format(platform: Platform) 
     error = response.json()["error"]
     assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
     assert "Authorization: Bearer" in error["message"]
+
+
+def test_tinkers_oai_path_answers_exactly_as_v1(platform: Platform, trained, client,
+                                                key: str) -> None:  # fmt: skip
+    """Tinker's documented base URL, <server>/oai/api/v1: the same completions (whole and
+    streamed, from the live session and the checkpoint), model list and errors as /v1."""
+    tc, _, path = trained
+    oai = openai.OpenAI(base_url=f"{platform.base_url}/oai/api/v1", api_key=key, max_retries=0)
+    messages = [{"role": "user", "content": "Say hi"}]
+    chats = [c.chat.completions.create(model=tc.model_id, messages=messages, max_tokens=6,
+                                       seed=SEED, logprobs=True) for c in (client, oai)]  # fmt: skip
+    assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
+    assert [lp.logprob for lp in chats[0].choices[0].logprobs.content] == pytest.approx(
+        [lp.logprob for lp in chats[1].choices[0].logprobs.content], abs=1e-6)  # fmt: skip
+    texts = [c.completions.create(model=path, prompt=PROMPT, max_tokens=6, seed=SEED)
+             .choices[0].text for c in (client, oai)]  # fmt: skip
+    streamed = oai.completions.create(model=path, prompt=PROMPT, max_tokens=6, seed=SEED,
+                                      stream=True)  # fmt: skip
+    assert texts[0] == texts[1] == "".join(c.choices[0].text for c in streamed if c.choices)
+    assert {m.id for m in oai.models.list()} == {m.id for m in client.models.list()}
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.completions.create(model=path, prompt=PROMPT, max_tokens=2, echo=True)
+    assert caught.value.body["param"] == "echo"
+    refusals = [httpx.post(f"{platform.base_url}{prefix}/completions", timeout=30,
+                           json={"model": BASE_MODEL, "prompt": PROMPT})
+                for prefix in ("/v1", "/oai/api/v1")]  # fmt: skip
+    assert [r.status_code for r in refusals] == [401, 401]
+    assert refusals[0].json() == refusals[1].json()

@@ -369,6 +369,35 @@ CASES: dict[str, Cases | str] = {
         )  # fmt: skip
         for m in (i["model"], i["checkpoint"])
     ],
+    "oai.list_models": lambda i: [Case("GET", "/oai/api/v1/models", expect=200, own_not_404=False)],
+    "oai.completions": lambda i: [
+        Case("POST", "/oai/api/v1/completions", {"model": m, "prompt": "hi"})
+        for m in (i["model"], i["checkpoint"])
+    ],
+    "oai.chat_completions": lambda i: [
+        Case(
+            "POST",
+            "/oai/api/v1/chat/completions",
+            {"model": m, "messages": [{"role": "user", "content": "hi"}]},
+        )  # fmt: skip
+        for m in (i["model"], i["checkpoint"])
+    ],
+    "anthropic.messages": lambda i: [
+        Case(
+            "POST",
+            "/anthropic/api/v1/messages",
+            {"model": m, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        )  # fmt: skip
+        for m in (i["model"], i["checkpoint"])
+    ],
+    "anthropic.count_tokens": lambda i: [
+        Case(
+            "POST",
+            "/anthropic/api/v1/messages/count_tokens",
+            {"model": m, "messages": [{"role": "user", "content": "hi"}]},
+        )  # fmt: skip
+        for m in (i["model"], i["checkpoint"])
+    ],
     "status.platform_status": lambda i: [Case("GET", "/api/v1/treadle/status", expect=403)],
     "admin.disable_tenant": lambda i: [
         Case(

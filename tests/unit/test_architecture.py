@@ -165,7 +165,7 @@ PLATFORM_LAYERS = {
         "operations",
     },
 }
-API_SURFACES = {"tinker", "treadle", "openai", "sagemaker"}
+API_SURFACES = {"tinker", "treadle", "openai", "anthropic", "sagemaker"}
 # The shared modules of treadle/api that reach into the surfaces: the app factory registers
 # their blueprints, the OpenAPI document describes their bodies.
 API_ASSEMBLERS = {"treadle.api.app", "treadle.api.openapi"}

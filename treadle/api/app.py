@@ -17,6 +17,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from treadle.api import auth, errors, routes_docs, routes_metrics, telemetry
+from treadle.api.anthropic import routes as routes_anthropic
 from treadle.api.context import Services
 from treadle.api.openai import routes as routes_openai
 from treadle.api.sagemaker import routes as routes_sagemaker
@@ -57,6 +58,11 @@ PUBLIC_PATHS = ("/healthz", "/api/v1/healthz", "/api/v1/openapi.json", "/metrics
 # /hf/ serves public tokenizer files to hub clients, which send no X-API-Key (routes_hf);
 # an external weights download link carries its own token too (routes_checkpoint_sharing).
 PUBLIC_PREFIXES = ("/api/v1/treadle/traces/", "/hf/", "/api/v1/treadle/downloads/")
+# OpenAI clients send the key as `Authorization: Bearer`; Anthropic clients as `x-api-key` (the
+# X-API-Key header every route reads) or as a bearer token (`auth_token=`, and anthropic 2.x).
+OAI_PREFIX = "/oai/api/v1"
+OAI_BLUEPRINT = "oai"
+BEARER_PREFIXES = ("/v1/", f"{OAI_PREFIX}/", "/anthropic/api/v1/")
 CONNECT_TIMEOUT_SECONDS = 3
 # An answer later than the long-poll by this much is logged as slow (telemetry.install).
 SLOW_ANSWER_MARGIN_SECONDS = 10.0
@@ -118,9 +124,12 @@ def create_app(config: PlatformConfig) -> Flask:
         routes_status,
         routes_metrics,
         routes_openai,
+        routes_anthropic,
         routes_sagemaker,
     ):
         app.register_blueprint(module.bp)
+    # Tinker's documented OpenAI-compatible path: the same views, hook and error handler again.
+    app.register_blueprint(routes_openai.bp, url_prefix=OAI_PREFIX, name=OAI_BLUEPRINT)
 
     # First of the request hooks: its clock starts before the others'.
     telemetry.install(app, slow_after=config.long_poll_seconds + SLOW_ANSWER_MARGIN_SECONDS)
@@ -137,7 +146,7 @@ def create_app(config: PlatformConfig) -> Flask:
         if request.blueprint == routes_sagemaker.bp.name:
             return  # signed with SigV4: the blueprint checks its own signatures
         key = request.headers.get("X-API-Key")
-        if key is None and request.path.startswith("/v1/"):  # OpenAI clients send a bearer token
+        if key is None and request.path.startswith(BEARER_PREFIXES):
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             key = token.strip() if scheme.lower() == "bearer" else None
         g.principal = auth.authenticate(key)

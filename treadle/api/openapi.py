@@ -17,6 +17,7 @@ from typing import Any
 from flask import Flask
 from pydantic import BaseModel
 
+from treadle.api.anthropic import schemas as schemas_anthropic
 from treadle.api.chat import schemas as schemas_openai
 from treadle.api.tinker import schemas
 from treadle.api.tinker import schemas_client_sessions as schemas_sessions
@@ -204,6 +205,26 @@ ROUTES: dict[str, RouteDoc] = {
     "openai.chat_completions": RouteDoc(
         "OpenAI: a chat completion through the model's chat template", "openai",
         body=schemas_openai.ChatCompletionRequest, errors=(400, 401, 402, 404, 429),
+    ),
+    # Tinker's documented path of the same routes (docs/openai.md): one view, two paths
+    "oai.list_models": RouteDoc("OpenAI (at /oai/api/v1): the models this key may sample",
+                                "openai"),
+    "oai.completions": RouteDoc(
+        "OpenAI (at /oai/api/v1): a completion of a prompt (stream: server-sent events)",
+        "openai", body=schemas_openai.CompletionRequest, errors=(400, 401, 402, 404, 429),
+    ),
+    "oai.chat_completions": RouteDoc(
+        "OpenAI (at /oai/api/v1): a chat completion through the model's chat template",
+        "openai", body=schemas_openai.ChatCompletionRequest, errors=(400, 401, 402, 404, 429),
+    ),
+    # -- Anthropic Messages (docs/anthropic.md; x-api-key or Authorization: Bearer <key>)
+    "anthropic.messages": RouteDoc(
+        "Anthropic: a message through the model's chat template (stream: server-sent events)",
+        "anthropic", body=schemas_anthropic.MessagesRequest, errors=(400, 401, 402, 404, 429),
+    ),
+    "anthropic.count_tokens": RouteDoc(
+        "Anthropic: the input tokens a message would be metered with", "anthropic",
+        body=schemas_anthropic.CountTokensRequest,
     ),
     "status.platform_status": RouteDoc(
         "Workers (heartbeat age, alive, sessions held, queue depth), live sessions per tenant, "

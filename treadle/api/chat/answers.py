@@ -149,10 +149,10 @@ class Shape:
         finally:
             follower.close()
             if not done:  # the client went away (GeneratorExit) or the wait failed
-                _cancel(deps_redis, deps, who, request_id)
+                cancel_abandoned(deps_redis, deps, who, request_id)
 
 
-def _cancel(redis: Any, deps: Any, who: Principal, request_id: str) -> None:
+def cancel_abandoned(redis: Any, deps: Any, who: Principal, request_id: str) -> None:
     """Stop a streamed request whose client went away: the worker ends a running (or queued)
     one at its next decoding step, failed "cancelled: the client disconnected"; one it has not
     settled within `CANCEL_GRACE_SECONDS` (no worker holds it yet) is failed in the database."""

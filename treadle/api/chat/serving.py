@@ -22,7 +22,7 @@ from treadle.api.chat.schemas import ChatCompletionRequest, CompletionRequest, P
 from treadle.api.context import principal, services
 from treadle.platform import db
 from treadle.platform.errors import TreadleError, ValidationError
-from treadle.platform.eventlog import progress
+from treadle.platform.eventlog import optypes, progress
 from treadle.platform.eventlog.optypes import OpStatus
 from treadle.platform.operations import commands, operations
 from treadle.platform.serving import openai_models, openai_serving
@@ -58,11 +58,6 @@ def serve(body: CompletionRequest | ChatCompletionRequest, target: openai_models
         )  # fmt: skip
     except ValidationError as exc:  # the prompt and max_tokens do not fit the model's context
         raise ParamError(exc.message, "max_tokens") from None
-    sampler, session_id = openai_models.sampler_for(svc.deps, who, target)
-
-    def seq(conn: sa.Connection) -> int:  # allocated in the admission's transaction
-        return sessions_core.next_sampler_seq(conn, sampler)
-
     shape = Shape(
         body.model,
         chat,
@@ -74,10 +69,28 @@ def serve(body: CompletionRequest | ChatCompletionRequest, target: openai_models
         svc.config.cache_dir,
         body.n,
     )
-    if not body.stream:
-        admission = submit(session_id, seq, payload, sampler_id=sampler)
-        op = wait(admission.request_id)
-        return shape.answer(op.result)
+    request_id, follower = admit(target, payload, stream=body.stream)
+    if follower is None:
+        return shape.answer(wait(request_id).result)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    events = shape.stream(svc.redis, follower, request_id, include_usage, who, svc.db, svc.deps)
+    return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def admit(
+    target: openai_models.Target, payload: optypes.Sample, *, stream: bool
+) -> tuple[str, progress.Follow | None]:
+    """Admit `payload` on the sampler serving `target`: its request id, and for a stream the
+    Follow of its progress (entered before the admission commits, so no token is missed; the
+    caller's stream closes it). Every surface that serves chats admits through here."""
+    svc, who = services(), principal()
+    sampler, session_id = openai_models.sampler_for(svc.deps, who, target)
+
+    def seq(conn: sa.Connection) -> int:  # allocated in the admission's transaction
+        return sessions_core.next_sampler_seq(conn, sampler)
+
+    if not stream:
+        return submit(session_id, seq, payload, sampler_id=sampler).request_id, None
 
     def settled() -> bool:  # asked while no message comes: a lost done notice never hangs us
         with db.reading(svc.db) as conn:
@@ -97,11 +110,7 @@ def serve(body: CompletionRequest | ChatCompletionRequest, target: openai_models
     except BaseException:
         follower.close()
         raise
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    events = shape.stream(
-        svc.redis, follower, admission.request_id, include_usage, who, svc.db, svc.deps
-    )
-    return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return admission.request_id, follower
 
 
 def wait(request_id: str) -> operations.OperationRow:

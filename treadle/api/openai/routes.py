@@ -1,9 +1,10 @@
-"""OpenAI-compatible routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+"""OpenAI-compatible routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(the app factory registers the blueprint again at /oai/api/v1, Tinker's documented path).
 
 Each request is an ordinary Sample on a sampler of the caller's model (`openai_models`), served
 by `treadle.api.chat` (shared with SageMaker's SampleTrainingSession): the whole answer, or its
 tokens as server-sent events. Errors on /v1/ are OpenAI's {"error": {message, type, param,
-code}}. Imports platform only; never torch.
+code}} on both paths. Imports platform only; never torch.
 """
 
 from __future__ import annotations

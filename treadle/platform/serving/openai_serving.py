@@ -34,15 +34,32 @@ def tokenizer(model: BaseModelInfo, cache_dir: Path) -> Any:
 
 
 def chat_tokens(
-    model: BaseModelInfo, cache_dir: Path, messages: Sequence[Mapping[str, str]]
+    model: BaseModelInfo,
+    cache_dir: Path,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    continue_final: bool = False,
 ) -> list[int]:
-    """The token ids of `messages` through the model's chat template, ready for the reply."""
+    """The token ids of `messages` through the model's chat template, ready for the reply;
+    `continue_final`: the last (assistant) message left open, the reply continuing its text."""
     tok = tokenizer(model, cache_dir)
     if not tok.chat_template:
         raise ValidationError(
             f"model {model.name} has no chat template; use /v1/completions with a prompt"
         )
-    text = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    try:
+        text = tok.apply_chat_template(
+            list(messages),
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            tokenize=False,
+        )
+    except Exception as exc:  # the template's own refusal (raise_exception), or transformers'
+        if not isinstance(exc, ValueError | TypeError) and "jinja2" not in type(exc).__module__:
+            raise
+        raise ValidationError(
+            f"model {model.name}'s chat template cannot render these messages: {exc}"
+        ) from None
     return list(tok.encode(text, add_special_tokens=False))
 
 
@@ -62,8 +79,9 @@ def payload(
     seed: int | None,
     stop: list[str] | None,
     top_logprobs: int,
+    top_k: int = -1,
 ) -> optypes.Sample:
-    """The Sample of one OpenAI request (validated like asample's)."""
+    """The Sample of one OpenAI (or Anthropic) request (validated like asample's)."""
     validation.validate_prompt(tokens, model, max_tokens)
     return optypes.Sample(
         prompt=tokens,
@@ -72,7 +90,12 @@ def payload(
         num_samples=n,
         prompt_logprobs=False,
         params=optypes.SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
         ),
         topk_sample_logprobs=top_logprobs,
     )
