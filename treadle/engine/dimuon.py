@@ -5,7 +5,7 @@ holds one pair per expert, each orthogonalised on its own). A step: clip the glo
 (as AdamW's), momentum M <- beta1 * M + (1 - beta1) * G, direction O = msign(M) by five quintic
 Newton-Schulz iterations (Keller Jordan's coefficients, in float64), rescaled to Frobenius norm
 sqrt(rank), and W <- W - learning_rate * O. No weight decay, no Nesterov, no rank correction;
-docs/optimizers.md states each choice. Must not import flask, sqlalchemy, celery or treadle.api.
+docs/losses-and-sampling.md states each choice. Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.engine import dimuon
 from treadle.engine.dimuon import Dimuon, DimuonSpec
+from treadle.engine.dimuon import step as dimuon_step
 from treadle.engine.lora.experts import LoraExperts, expert_shape
 from treadle.engine.lora.targets import (
     LoraTargets,
@@ -590,7 +590,7 @@ class TrainableLora:
             )
         if isinstance(spec, DimuonSpec):
             assert isinstance(self.optimizer, Dimuon)
-            metrics = dimuon.step(self.optimizer, self.weights.parameters(), spec)
+            metrics = dimuon_step(self.optimizer, self.weights.parameters(), spec)
         else:
             metrics = adam_step(self.optimizer, self.weights.parameters(), spec)
         self.weights.refresh_copy()
