@@ -480,6 +480,8 @@ class TrainableLora:
     (`training.forward_backward`); every change of the masters here refreshes the copy (`step`,
     `load`) or drops it (`move_to`, `release`).
 
+    Its optimizer is AdamW or Dimuon (`LoraSpec.optimizer`, fixed for its life; Dimuon keeps one
+    parameter group per matrix, `dimuon.Dimuon`, and a `momentum_buffer` per tensor).
     AdamW holds the tensors in two parameter groups, the A matrices and the B matrices, so a step
     can give B its own learning rate (LoRA+). Its state is per tensor and keyed by tensor name
     wherever it leaves this object (`optimizer_state`, `optimizer_tensors`, `state_tensors`), so
