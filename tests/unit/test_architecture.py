@@ -230,16 +230,24 @@ ENGINE_PLATFORM = {
     "treadle.platform.models.tokenizers",
     "treadle.platform.models.validation",
 }
-_BELOW_PROTOCOL = {"models", "memory", "optim", "gradients", "lora", "losses", "sampling"}
+_BELOW_PROTOCOL = {"models", "memory", "optim", "dimuon", "gradients", "lora", "losses", "sampling"}
 ENGINE_LAYERS: dict[str, set[str]] = {
     "models": set(),
     "memory": set(),
     "optim": set(),
+    "dimuon": set(),  # the Dimuon optimizer, beside AdamW's `optim`
     "gradients": set(),  # the canonical sum of a request's gradient
-    "lora": {"models", "memory", "optim"},
+    "lora": {"models", "memory", "optim", "dimuon"},
     "losses": {"models", "memory", "lora"},
     "sampling": {"models", "memory", "lora", "losses"},
-    "protocol": {"gradients", "lora", "losses", "optim", "sampling"},  # interfaces, value types
+    "protocol": {
+        "gradients",
+        "lora",
+        "losses",
+        "optim",
+        "dimuon",
+        "sampling",
+    },  # interfaces, value types
     "footprint": {"models", "memory", "lora", "losses"},  # a base model's memory, for admission
     # a Parallelism: ranks, collectives, sharding (handing a loaded layer's pages back: memory)
     "distributed.vocabulary": {"models", "protocol"},  # embeddings and head split by rows

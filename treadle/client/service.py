@@ -217,6 +217,7 @@ class ServiceClient:
         user_metadata: dict[str, str] | None = None,
         model_package_group: str | None = None,
         max_cost_usd: float | Decimal | str | None = None,
+        optimizer: types.OptimizerConfig | None = None,
     ) -> TrainingClient:
         """Start a training session (base model + a fresh LoRA adapter) and wait until it is live.
 
@@ -236,6 +237,8 @@ class ServiceClient:
             train_mlp, train_attn, train_unembed: which layers get adapters.
             max_cost_usd: the session's spend cap in USD: an operation that could take its
                 spend past it is refused (402); `get_usage()` shows what is spent.
+            optimizer: the session's optimizer for life, tinker's AdamOptimizerConfig (the
+                default) or DimuonOptimizerConfig; each optim_step sends its params.
         Returns:
             the session's TrainingClient, once the session is live.
         Raises:
@@ -268,7 +271,7 @@ class ServiceClient:
             "model_seq_id": model_seq_id,
             "base_model": base_model,
             "lora_config": lora,
-            "optimizer_config": {"type": "adamw"},
+            "optimizer_config": (optimizer or types.AdamOptimizerConfig()).model_dump(),
             "type": "create_model",
         }
         if name is not None:

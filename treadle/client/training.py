@@ -101,8 +101,10 @@ class TrainingClient:
         future = self._inner.forward(sent, loss_fn, loss_fn_config)  # type: ignore[arg-type]
         return translated(future)
 
-    def optim_step(self, adam_params: types.AdamParams | None = None) -> Any:
-        """Apply the accumulated gradients with Adam; returns a future of OptimStepResponse."""
+    def optim_step(self, adam_params: types.OptimParams | None = None) -> Any:
+        """Apply the accumulated gradients with the session's optimizer: AdamParams (default)
+        or, for a session created with DimuonOptimizerConfig, DimuonParams; returns a future
+        of OptimStepResponse."""
         return translated(self._inner.optim_step(adam_params or types.AdamParams()))
 
     def save_state(self, name: str | None = None, ttl_seconds: int | None = None) -> Any:

@@ -19,6 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from treadle.engine.dimuon import DimuonSpec
     from treadle.engine.distributed.executor import GroupExecutor, follow
     from treadle.engine.distributed.group import GROUP_FAILED_EXIT, Group, init_from_env, leave
     from treadle.engine.engine import Engine
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 _WHERE = {
     "ALONE": "treadle.engine.protocol",
     "AdamSpec": "treadle.engine.optim",
+    "DimuonSpec": "treadle.engine.dimuon",
     "Capacity": "treadle.engine.memory.capacity",
     "Engine": "treadle.engine.engine",
     "EngineAPI": "treadle.engine.protocol",
@@ -97,6 +99,7 @@ __all__ = [
     "STATE_PARTS",
     "AdamSpec",
     "Capacity",
+    "DimuonSpec",
     "Engine",
     "EngineAPI",
     "EngineDatum",

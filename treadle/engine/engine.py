@@ -15,6 +15,7 @@ Must not import flask, sqlalchemy, celery or treadle.api.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 import treadle.engine.training as training
+from treadle.engine.dimuon import DimuonSpec
 from treadle.engine.lora import files as adapter_files
 from treadle.engine.lora.adapters import (
     LoraHost,
@@ -210,7 +212,9 @@ class Engine:
             if adapter_id in self._adapters:
                 raise ConflictError(f"adapter {adapter_id!r} already exists; drop it first")
             weights = self._base(base_model).host.new_weights(lora, self.device)
-            self._adapters[adapter_id] = _Adapter(base_model, lora, TrainableLora(weights))
+            self._adapters[adapter_id] = _Adapter(
+                base_model, lora, TrainableLora(weights, lora.optimizer, lora.rank)
+            )
             self._use(adapter_id)
 
     def has_adapter(self, adapter_id: str) -> bool:
@@ -394,9 +398,10 @@ class Engine:
             checkpointing=self.activation_checkpointing,
         )
 
-    def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]:
-        """Apply the grads accumulated since the last step with AdamW(`adam`), then zero them.
-        Returns `grad_norm:mean` (before clipping) and `learning_rate:mean`."""
+    def optim_step(self, adapter_id: str, adam: AdamSpec | DimuonSpec) -> dict[str, float]:
+        """Apply the grads accumulated since the last step with the adapter's optimizer (AdamW
+        or Dimuon, whose settings `adam` must be), then zero them. Returns `grad_norm:mean`
+        (before clipping) and `learning_rate:mean`."""
         with self._lock:
             return training.optim_step(self._use(adapter_id).lora, adam, self.device)
 
@@ -574,14 +579,22 @@ class Engine:
             adapter_files.write_adapter(Path(folder), adapter.base_model, spec, weights, optimizer)
 
     def import_adapter(
-        self, adapter_id: str, base_model: str, folder: Path, *, with_optimizer: bool
+        self,
+        adapter_id: str,
+        base_model: str,
+        folder: Path,
+        *,
+        with_optimizer: bool,
+        optimizer: str | None = None,
     ) -> None:
-        """Create `adapter_id` from an exported folder, with its exact Adam state if asked (else a
-        fresh one). ValidationError for missing files, another base model or mismatched tensors."""
+        """Create `adapter_id` from an exported folder, with its exact optimizer state if asked
+        (else a fresh one), training with `optimizer` (None: the one it was saved with).
+        ValidationError for missing files, another base model, mismatched tensors or saved
+        optimizer state of another optimizer."""
         with self._lock:
             if adapter_id in self._adapters:
                 raise ConflictError(f"adapter {adapter_id!r} already exists; drop it first")
-            spec, lora = self._read(folder, base_model, with_optimizer)
+            spec, lora = self._read(folder, base_model, with_optimizer, optimizer)
             self._adapters[adapter_id] = _Adapter(base_model, spec, lora)
             self._use(adapter_id)
 
@@ -653,14 +666,21 @@ class Engine:
             return self._bases[name]
 
     def _read(
-        self, folder: Path, base_model: str, optimizer: bool
+        self, folder: Path, base_model: str, optimizer: bool, kind: str | None = None
     ) -> tuple[LoraSpec, TrainableLora]:
         saved = adapter_files.read_adapter(Path(folder), base_model, with_optimizer=optimizer)
-        lora = TrainableLora(self._base(base_model).host.new_weights(saved.spec, self.device))
+        spec = saved.spec if kind is None else dataclasses.replace(saved.spec, optimizer=kind)
+        if saved.optimizer is not None and spec.optimizer != saved.spec.optimizer:
+            raise ValidationError(
+                f"the checkpoint's optimizer state is {saved.spec.optimizer}'s, not "
+                f"{spec.optimizer}'s; load its weights without the optimizer state"
+            )
+        weights = self._base(base_model).host.new_weights(spec, self.device)
+        lora = TrainableLora(weights, spec.optimizer, spec.rank)
         lora.load(saved.tensors)
         if saved.optimizer is not None:
             lora.load_optimizer_state(saved.optimizer)
-        return saved.spec, lora
+        return spec, lora
 
     def _record(self, adapter_id: str) -> _Adapter:
         """The adapter's record, wherever its tensors are (maybe paged out to disk)."""

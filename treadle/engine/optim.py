@@ -15,7 +15,11 @@ import torch
 
 from treadle.platform.errors import ValidationError
 
-__all__ = ["AdamSpec", "adamw", "check_adam", "step"]
+__all__ = ["OPTIMIZERS", "AdamSpec", "adamw", "check_adam", "step"]
+
+# The optimizers an adapter can train with, chosen at its creation (tinker's optimizer_config
+# `type`): AdamW here, Dimuon in `dimuon`.
+OPTIMIZERS = ("adamw", "dimuon")
 
 
 @dataclass(frozen=True)

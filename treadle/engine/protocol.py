@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from treadle.engine.dimuon import DimuonSpec
 from treadle.engine.gradients import combine, units_of
 from treadle.engine.lora.adapters import LoraSpec
 from treadle.engine.losses.functions import EngineDatum
@@ -294,7 +295,7 @@ class EngineAPI(Protocol):
     ) -> ForwardBackwardResult: ...
 
     @sets_weights
-    def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]: ...
+    def optim_step(self, adapter_id: str, adam: AdamSpec | DimuonSpec) -> dict[str, float]: ...
 
     # -- sampling
 
@@ -318,7 +319,13 @@ class EngineAPI(Protocol):
 
     @sets_weights
     def import_adapter(
-        self, adapter_id: str, base_model: str, folder: Path, *, with_optimizer: bool
+        self,
+        adapter_id: str,
+        base_model: str,
+        folder: Path,
+        *,
+        with_optimizer: bool,
+        optimizer: str | None = None,
     ) -> None: ...
 
     def export_merged(self, adapter_id: str, folder: Path) -> None: ...

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from treadle.engine.dimuon import DimuonSpec
 from treadle.engine.gradients import PairwiseSum, flatten, unflatten
 from treadle.engine.lora.adapters import LoraHost, TrainableLora, compute_dtype
 from treadle.engine.losses.chunked_logprobs import wants_checkpointing
@@ -128,8 +129,11 @@ def forward_backward(
     return outputs, total
 
 
-def optim_step(lora: TrainableLora, adam: AdamSpec, device: torch.device) -> dict[str, float]:
-    """Apply `lora`'s accumulated grads with AdamW(`adam`), then zero them (`optim.step`)."""
+def optim_step(
+    lora: TrainableLora, adam: AdamSpec | DimuonSpec, device: torch.device
+) -> dict[str, float]:
+    """Apply `lora`'s accumulated grads with its optimizer (AdamW or Dimuon, whose settings
+    `adam` must be), then zero them (`TrainableLora.step`)."""
     with threads_for(OPTIMIZER_WORK_PER_PARAMETER * lora.numel(), device):
         return lora.step(adam)
 

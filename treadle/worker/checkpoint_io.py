@@ -104,15 +104,19 @@ def load(
     prefix: str,
     *,
     with_optimizer: bool,
+    optimizer: str | None = None,
 ) -> None:
     """Load the checkpoint under `prefix` into `adapter_id`, replacing any adapter of that id
-    (its samplers' snapshots stay). FileNotFoundError when the files are gone."""
+    (its samplers' snapshots stay), training with `optimizer` (None: the checkpoint's).
+    FileNotFoundError when the files are gone."""
     folder = Path(tempfile.mkdtemp(prefix="treadle-load-"))
     try:
         _download(store, prefix, folder)
         if engine.has_adapter(adapter_id):
             engine.drop_adapter(adapter_id, keep_snapshots=True)
-        engine.import_adapter(adapter_id, base_model, folder, with_optimizer=with_optimizer)
+        engine.import_adapter(
+            adapter_id, base_model, folder, with_optimizer=with_optimizer, optimizer=optimizer
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from treadle.engine import (
     AdamSpec,
+    DimuonSpec,
     EngineAPI,
     EngineDatum,
     Interrupt,
@@ -100,6 +101,7 @@ def load_weights(call: Call, p: LoadWeights) -> Outcome:
         p.base_model,
         p.prefix,
         with_optimizer=p.optimizer,
+        optimizer=p.lora_config.optimizer,
     )
     outcome = Outcome(results.LoadWeightsOutput(model_id=call.session_id, path=p.path))
     if call.live:
@@ -175,7 +177,11 @@ def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
 
 
 def optim_step(call: Call, p: OptimStep) -> Outcome:
-    spec = AdamSpec(**p.model_dump())
+    spec: AdamSpec | DimuonSpec
+    if p.optimizer == "dimuon":
+        spec = DimuonSpec(p.learning_rate, p.beta1, p.grad_clip_norm)
+    else:
+        spec = AdamSpec(**p.model_dump(exclude={"optimizer"}))
     metrics = call.engine.optim_step(call.adapter_id, spec)
     return Outcome(results.OptimStepOutput(metrics=metrics))
 

@@ -102,3 +102,35 @@ def test_a_damaged_payload_names_its_type() -> None:
     bad["data"][0]["loss_fn_inputs"]["weights"]["shape"] = [4]
     with pytest.raises(ValueError, match="forward_backward"):
         optypes.parse_payload("forward_backward", bad)
+
+
+def test_an_adamw_session_logs_what_it_logged_before_dimuon() -> None:
+    """No `optimizer` key where it is AdamW: old logs and new ones read (and hash) the same."""
+    lora = optypes.LoraConfig(rank=4, alpha=8.0)
+    assert (
+        "optimizer"
+        not in optypes.CreateModel(base_model="m", lora_config=lora).to_json()["lora_config"]
+    )
+    step = optypes.OptimStep(learning_rate=0.1)
+    assert "optimizer" not in step.to_json()
+    assert optypes.parse_payload("optim_step", step.to_json()) == step
+
+
+def test_a_dimuon_step_logs_its_own_fields_and_round_trips() -> None:
+    step = optypes.OptimStep(optimizer="dimuon", learning_rate=0.1, beta1=0.8)
+    data = step.to_json()
+    assert data == {
+        "optimizer": "dimuon",
+        "learning_rate": 0.1,
+        "beta1": 0.8,
+        "grad_clip_norm": 0.0,
+    }
+    assert optypes.parse_payload("optim_step", data) == step
+    lora = optypes.LoraConfig(rank=4, alpha=8.0, optimizer="dimuon")
+    created = optypes.CreateModel(base_model="m", lora_config=lora).to_json()
+    assert optypes.parse_payload("create_model", created).lora_config.optimizer == "dimuon"
+
+
+def test_a_dimuon_step_with_adam_settings_is_refused() -> None:
+    with pytest.raises(ValueError, match="beta2, weight_decay are AdamW settings"):
+        optypes.OptimStep(optimizer="dimuon", beta2=0.5, weight_decay=0.1)

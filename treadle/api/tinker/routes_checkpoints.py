@@ -20,6 +20,7 @@ from flask import Blueprint, jsonify, request, send_file
 from treadle.api.admission import parse_training, submit
 from treadle.api.body import parse
 from treadle.api.context import int_arg, json_body, principal, services
+from treadle.api.tinker import optimizers
 from treadle.api.tinker.schemas import (
     CheckpointTtl,
     LoadWeights,
@@ -177,12 +178,21 @@ def load_weights() -> Any:
         )
     if body.optimizer and not checkpoint.has_optimizer:
         raise ValidationError(f"{body.path} has no optimizer state; load it without the optimizer")
+    saved_optimizer = optimizers.session_optimizer(source.lora_config)
+    asked = None if body.optimizer_config is None else optimizers.name_of(body.optimizer_config)
+    if body.optimizer and asked not in (None, saved_optimizer):
+        raise ValidationError(
+            f"{body.path} holds {saved_optimizer} optimizer state, which cannot train with "
+            f"{asked}; load it without the optimizer state to train with {asked}"
+        )
+    # with the optimizer state, the checkpoint's optimizer; without it, the one asked for
+    optimizer = saved_optimizer if body.optimizer else (asked or "adamw")
     payload = optypes.LoadWeights(
         path=str(checkpoint.path),
         prefix=checkpoint.storage_prefix,
         optimizer=body.optimizer,
         base_model=source.base_model,
-        lora_config=optypes.LoraConfig(**source.lora_config),
+        lora_config=optypes.LoraConfig(**optimizers.with_optimizer(source.lora_config, optimizer)),
     )
     if body.model_id is not None:  # legacy load_state into an existing model
         if body.seq_id is None:
@@ -193,6 +203,18 @@ def load_weights() -> Any:
             raise ValidationError(
                 f"{body.path} was trained on {source.base_model}; model {target.id} uses {target.base_model}"
             )
+        if body.optimizer_config is not None:
+            raise ValidationError(
+                "optimizer_config is for a new model; an existing model keeps its optimizer"
+            )
+        target_optimizer = optimizers.session_optimizer(target.lora_config)
+        if body.optimizer and saved_optimizer != target_optimizer:
+            raise ValidationError(
+                f"{body.path} holds {saved_optimizer} optimizer state; model {target.id} trains "
+                f"with {target_optimizer}: load the checkpoint without its optimizer state"
+            )
+        lora = optimizers.with_optimizer(source.lora_config, target_optimizer)
+        payload = payload.model_copy(update={"lora_config": optypes.LoraConfig(**lora)})
         admission = submit(body.model_id, body.seq_id, payload)
         return jsonify(request_id=admission.request_id, model_id=body.model_id)
     if body.session_id is None or body.model_seq_id is None:
@@ -214,7 +236,7 @@ def load_weights() -> Any:
         base_model=source.base_model,
         first=payload.model_copy(update={"create": True}),
         name=source.name if own else None,
-        lora_config=source.lora_config,
+        lora_config=optimizers.with_optimizer(source.lora_config, optimizer),
         model_package_group=source.model_package_group if own else None,
     )
     assert opened is not None, "a training session's first operation is always admitted"
@@ -325,6 +347,7 @@ def weights_info() -> Any:
         train_unembed=session.lora_config.get("train_unembed"),
         train_mlp=session.lora_config.get("train_mlp"),
         train_attn=session.lora_config.get("train_attn"),
+        optimizer_config=optimizers.config_json(session.lora_config),
     )
 
 

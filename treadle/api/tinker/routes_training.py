@@ -1,4 +1,4 @@
-"""Training routes: create_model, get_info, forward_backward, optim_step and sampler saves.
+"""Training routes: create_model (with its optimizer), get_info, forward_backward, optim_step and sampler saves.
 
 Each operation is appended to the session's log before its wake-up is enqueued; the answer is a
 future `{request_id, model_id}` resolved through retrieve_future. Imports platform only.
@@ -15,7 +15,7 @@ from flask import Blueprint, jsonify, request
 from treadle.api.admission import expect_seq, parse_training, submit
 from treadle.api.body import parse
 from treadle.api.context import base_model_of, json_body, principal, services
-from treadle.api.tinker import routes_custom_losses
+from treadle.api.tinker import optimizers, routes_custom_losses
 from treadle.api.tinker.schemas import CreateModel, ModelRef, OptimStep
 from treadle.api.tinker.wire import decode_forward_backward
 from treadle.platform.billing import prices
@@ -47,6 +47,8 @@ def create_model() -> Any:
         "train_mlp": lora.train_mlp,
         "train_unembed": lora.train_unembed,
     }
+    # recorded in the session and its first event: recovery, replay and fork rebuild with it
+    lora_config = optimizers.with_optimizer(lora_config, optimizers.name_of(body.optimizer_config))
     model_id = sessions_core.training_session_id(body.session_id, body.model_seq_id)
     opened = commands.open_session(
         services().deps,
@@ -88,6 +90,7 @@ def get_info() -> Any:
         is_lora=True,
         lora_rank=session.lora_config.get("rank"),
         lora_alpha=session.lora_config.get("alpha"),
+        optimizer_config=optimizers.config_json(session.lora_config),
         training_session_name=session.name,
         status=session.status,
     )
@@ -160,11 +163,6 @@ def _with_provenance(
 @bp.post("/api/v1/optim_step")
 def optim_step() -> Any:
     body = parse_training(OptimStep)
-    if body.optimizer_params is not None:
-        raise ValidationError(
-            "optimizer_params is not supported; this server trains with Adam: send adam_params"
-        )
-    admission = submit(
-        body.model_id, body.seq_id, optypes.OptimStep(**body.adam_params.model_dump())
-    )
+    payload = optimizers.optim_step_payload(body, json_body())
+    admission = submit(body.model_id, body.seq_id, payload)
     return jsonify(request_id=admission.request_id, model_id=body.model_id)

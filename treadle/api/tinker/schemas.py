@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from treadle.api.body import MAX_ID, MAX_TTL, Body, Id
 from treadle.platform.models.validation import (
@@ -137,12 +137,30 @@ class LoraConfig(Body):
     train_attn: bool = True
 
 
+class OptimizerConfig(Body):
+    """tinker's optimizer_config: the optimizer a training model keeps for life."""
+
+    type: Id
+    version: int | None = None
+
+
+class DimuonParams(BaseModel):
+    """tinker's DimuonParams (SDK 0.38.0's fields; anything else is refused, not ignored)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    type: Literal["dimuon"] = "dimuon"
+    learning_rate: float = Field(ge=0)
+    grad_clip_norm: float = 0.0
+    beta1: float = Field(0.9, ge=0, lt=1)
+
+
 class CreateModel(Body):
     session_id: Id
     model_seq_id: int = Field(ge=0, le=MAX_ID)
     base_model: Id
     user_metadata: Metadata | None = None
     lora_config: LoraConfig = Field(default_factory=lambda: LoraConfig())
+    optimizer_config: OptimizerConfig | None = None
     training_session_name: Id | None = None
     model_package_group: Id | None = None
     # Treadle: the session refuses operations that could take its spend past this (402).
@@ -190,6 +208,7 @@ class SaveWeights(Body):
 class LoadWeights(Body):
     path: Id
     optimizer: bool = False
+    optimizer_config: OptimizerConfig | None = None
     # create-via-load (create_training_client_from_state[_with_optimizer])
     session_id: Id | None = None
     model_seq_id: int | None = Field(None, ge=0, le=MAX_ID)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from treadle.engine.dimuon import DimuonSpec
 from treadle.engine.distributed.decoding import CALLS, FollowerBatches, LeaderBatch
 from treadle.engine.distributed.group import Group, broadcast, fail, gather, leave
 from treadle.engine.engine import Engine
@@ -153,7 +154,7 @@ class GroupExecutor:
         )
         return result
 
-    def optim_step(self, adapter_id: str, adam: AdamSpec) -> dict[str, float]:
+    def optim_step(self, adapter_id: str, adam: AdamSpec | DimuonSpec) -> dict[str, float]:
         metrics: dict[str, float] = self._mirror("optim_step", adapter_id, adam)
         return metrics
 
@@ -164,10 +165,21 @@ class GroupExecutor:
         self._mirror("drop_snapshot", snapshot_id)
 
     def import_adapter(
-        self, adapter_id: str, base_model: str, folder: Path, *, with_optimizer: bool
+        self,
+        adapter_id: str,
+        base_model: str,
+        folder: Path,
+        *,
+        with_optimizer: bool,
+        optimizer: str | None = None,
     ) -> None:
         self._mirror(
-            "import_adapter", adapter_id, base_model, folder, with_optimizer=with_optimizer
+            "import_adapter",
+            adapter_id,
+            base_model,
+            folder,
+            with_optimizer=with_optimizer,
+            optimizer=optimizer,
         )
 
     def load_snapshot(self, snapshot_id: str, base_model: str, folder: Path) -> None:

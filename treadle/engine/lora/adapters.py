@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treadle.engine.dimuon import Dimuon, DimuonSpec
+from treadle.engine.dimuon import step as dimuon_step
 from treadle.engine.lora.experts import LoraExperts, expert_shape
 from treadle.engine.lora.targets import (
     LoraTargets,
@@ -35,7 +37,7 @@ from treadle.engine.lora.targets import (
     split_expert_key,
 )
 from treadle.engine.models import cpu_linear
-from treadle.engine.optim import AdamSpec, adamw
+from treadle.engine.optim import OPTIMIZERS, AdamSpec, adamw
 from treadle.engine.optim import step as adam_step
 from treadle.platform.errors import ValidationError
 
@@ -67,6 +69,7 @@ class LoraSpec:
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    optimizer: str = "adamw"  # fixed for the adapter's life: "adamw" or "dimuon" (OPTIMIZERS)
 
 
 @dataclass
@@ -465,6 +468,10 @@ class LoraHost:
         return LoraWeights(scale=spec.alpha / rank, A=a, B=b)
 
 
+# The state each optimizer keeps per tensor, as `optimizer_state` names it.
+STATE_KEYS = {"adamw": {"step", "exp_avg", "exp_avg_sq"}, "dimuon": {"momentum_buffer"}}
+
+
 class TrainableLora:
     """One adapter under training: its weights, the grads accumulated since the last step and its
     AdamW state, kept together on one device, all float32 (the master weights). On a model
@@ -473,18 +480,33 @@ class TrainableLora:
     (`training.forward_backward`); every change of the masters here refreshes the copy (`step`,
     `load`) or drops it (`move_to`, `release`).
 
+    Its optimizer is AdamW or Dimuon (`LoraSpec.optimizer`, fixed for its life; Dimuon keeps one
+    parameter group per matrix, `dimuon.Dimuon`, and a `momentum_buffer` per tensor).
     AdamW holds the tensors in two parameter groups, the A matrices and the B matrices, so a step
     can give B its own learning rate (LoRA+). Its state is per tensor and keyed by tensor name
     wherever it leaves this object (`optimizer_state`, `optimizer_tensors`, `state_tensors`), so
     the groups change no saved format; their settings are set afresh by every `step`."""
 
-    def __init__(self, weights: LoraWeights) -> None:
+    def __init__(self, weights: LoraWeights, optimizer: str = "adamw", rank: int = 0) -> None:
+        """`optimizer` is the adapter's optimizer for life (`OPTIMIZERS`); Dimuon needs `rank`
+        (each LoRA matrix's, per expert) to orthogonalise an experts tensor expert by expert."""
+        if optimizer not in OPTIMIZERS:
+            raise ValidationError(f"unknown optimizer {optimizer!r}; use one of {OPTIMIZERS}")
         self.weights = weights
+        self.kind = optimizer
         b_ids = {id(t) for t in weights.B.values()}
         params = weights.parameters()
-        self.optimizer = adamw(
-            [p for p in params if id(p) not in b_ids], [p for p in params if id(p) in b_ids]
-        )
+        self.optimizer: torch.optim.Optimizer
+        if optimizer == "dimuon":
+            assert rank > 0, "Dimuon needs the adapter's rank"
+            self.optimizer = Dimuon(
+                [(a, "A", a.shape[0] // rank, rank) for a in weights.A.values()]
+                + [(b, "B", b.shape[1] // rank, rank) for b in weights.B.values()]
+            )
+        else:
+            self.optimizer = adamw(
+                [p for p in params if id(p) not in b_ids], [p for p in params if id(p) in b_ids]
+            )
         self.is_released = False  # its tensors are freed (paged out) until `restore`
 
     @property
@@ -531,7 +553,14 @@ class TrainableLora:
         named = dict(self.weights.tensors())
         if unknown := sorted(set(state) - set(named)):
             raise ValidationError(f"optimizer state for unknown adapter tensors {unknown}")
+        want_keys = STATE_KEYS[self.kind]
         for name, entries in state.items():
+            if set(entries) != want_keys:
+                raise ValidationError(
+                    f"optimizer state {name} holds {sorted(entries)}, not the {self.kind} state "
+                    f"{sorted(want_keys)} this adapter trains with; an adapter keeps the optimizer "
+                    "it was created with (load the weights without the optimizer state instead)"
+                )
             shape = tuple(named[name].shape)
             for key, value in entries.items():
                 want = () if key == "step" else shape
@@ -551,10 +580,21 @@ class TrainableLora:
         # load_state_dict moves moments to each parameter's device and dtype; `step` stays as is.
         self.optimizer.load_state_dict({"state": as_saved, "param_groups": groups})
 
-    def step(self, adam: AdamSpec) -> dict[str, float]:
-        """Apply the accumulated grads with AdamW(`adam`), then zero them (`optim.step`), and
-        refresh the compute copy from the stepped masters."""
-        metrics = adam_step(self.optimizer, self.weights.parameters(), adam)
+    def step(self, spec: AdamSpec | DimuonSpec) -> dict[str, float]:
+        """Apply the accumulated grads with the adapter's optimizer (`spec` must be its kind's
+        settings), then zero them (`optim.step`, `dimuon.step`), and refresh the compute copy
+        from the stepped masters. ValidationError, changing nothing, for the other kind's."""
+        given = "dimuon" if isinstance(spec, DimuonSpec) else "adamw"
+        if given != self.kind:
+            raise ValidationError(
+                f"this adapter trains with {self.kind}, not {given}; send "
+                f"{'DimuonParams' if self.kind == 'dimuon' else 'AdamParams'} to optim_step"
+            )
+        if isinstance(spec, DimuonSpec):
+            assert isinstance(self.optimizer, Dimuon)
+            metrics = dimuon_step(self.optimizer, self.weights.parameters(), spec)
+        else:
+            metrics = adam_step(self.optimizer, self.weights.parameters(), spec)
         self.weights.refresh_copy()
         return metrics
 

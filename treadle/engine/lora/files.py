@@ -5,9 +5,9 @@ An adapter folder is what peft's `save_pretrained` writes for a causal LM's LoRA
 (`adapter_model.safetensors`, `adapter_config.json` whose `target_modules` are the last name
 components of the adapted linears, e.g. Phi-3's `qkv_proj` and `gate_up_proj`, and whose
 `target_parameters` name the MoE experts' adapted 3-D parameters, e.g. `experts.gate_up_proj`),
-plus `treadle.json` (the full `LoraSpec`,
-base model and format version) and, optionally, `optimizer.safetensors` (the exact AdamW state,
-`<tensor name>.<step|exp_avg|exp_avg_sq>`). A merged folder is a plain Hugging Face model
+plus `treadle.json` (the full `LoraSpec`, its optimizer too,
+base model and format version) and, optionally, `optimizer.safetensors` (the exact optimizer
+state: AdamW's `<tensor name>.<step|exp_avg|exp_avg_sq>`, Dimuon's `<tensor name>.momentum_buffer`). A merged folder is a plain Hugging Face model
 (config, float32 `model.safetensors`, generation config, tokenizer files) with every LoRA delta
 folded into its base weight, loadable with `transformers` alone.
 Must not import flask, sqlalchemy, celery or treadle.api.
@@ -38,6 +38,7 @@ from treadle.engine.lora.targets import (
     split_expert_key,
     suffix_category,
 )
+from treadle.engine.optim import OPTIMIZERS
 from treadle.platform.errors import ValidationError
 
 __all__ = [
@@ -111,7 +112,12 @@ def write_adapter(
             "format": "treadle-lora",
             "format_version": FORMAT_VERSION,
             "base_model": base_model,
-            "lora": dataclasses.asdict(spec),
+            # an AdamW adapter's file reads as it did before Dimuon (no `optimizer` entry)
+            "lora": {
+                k: v
+                for k, v in dataclasses.asdict(spec).items()
+                if not (k == "optimizer" and v == "adamw")
+            },
             "has_optimizer": optimizer is not None,
         },
     )
@@ -220,8 +226,12 @@ def _treadle_spec(config: Mapping[str, Any]) -> tuple[LoraSpec, str | None]:
         or not {"rank", "alpha"} <= set(lora) <= fields
         or not isinstance(lora["rank"], int)
         or not isinstance(lora["alpha"], int | float)
-        or not all(isinstance(lora.get(k, True), bool) for k in fields - {"rank", "alpha", "seed"})
+        or not all(
+            isinstance(lora.get(k, True), bool)
+            for k in fields - {"rank", "alpha", "seed", "optimizer"}
+        )
         or not isinstance(lora.get("seed", 0), int)
+        or lora.get("optimizer", "adamw") not in OPTIMIZERS
     ):
         raise ValidationError(f"{TREADLE_CONFIG} has a malformed 'lora' entry: {lora!r}")
     return LoraSpec(**lora), config.get("base_model")

@@ -15,7 +15,13 @@ from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 
 class OpType(StrEnum):
@@ -69,7 +75,14 @@ class Payload(BaseModel):
         return self.to_json()
 
 
+# The optimizers a training session can be created with (tinker's optimizer_config `type`).
+Optimizer = Literal["adamw", "dimuon"]
+
+
 class LoraConfig(BaseModel):
+    """A training session's adapter, and the optimizer it trains with for life. Written without
+    `optimizer` where it is AdamW, so logs and projections from before Dimuon read the same."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
     rank: int
     alpha: float
@@ -77,6 +90,14 @@ class LoraConfig(BaseModel):
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    optimizer: Optimizer = "adamw"
+
+    @model_serializer(mode="wrap")
+    def _omit_adamw(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("optimizer") == "adamw":
+            del data["optimizer"]
+        return data
 
 
 class CreateModel(Payload):
@@ -200,7 +221,12 @@ class ForwardBackward(Payload):
 
 
 class OptimStep(Payload):
+    """One optimizer step with the session's optimizer: AdamW's settings, or (`optimizer`
+    "dimuon") Dimuon's, which are `learning_rate`, `beta1` and `grad_clip_norm` alone. Logged
+    without `optimizer` for AdamW (as before Dimuon) and with only its own fields for Dimuon."""
+
     TYPE = OpType.OPTIM_STEP
+    optimizer: Optimizer = "adamw"
     learning_rate: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
@@ -210,6 +236,30 @@ class OptimStep(Payload):
     # LoRA+ (SageMaker's loraPlusLrRatio): each B matrix learns at learning_rate times this.
     lora_plus_lr_ratio: float = 1.0
 
+    @model_validator(mode="after")
+    def _dimuon_fields(self) -> OptimStep:
+        if self.optimizer == "dimuon":
+            adam_only = [
+                name
+                for name in _ADAM_ONLY
+                if getattr(self, name) != OptimStep.model_fields[name].default
+            ]
+            if adam_only:
+                raise ValueError(
+                    f"{', '.join(adam_only)} are AdamW settings; a Dimuon step takes "
+                    "learning_rate, beta1 and grad_clip_norm"
+                )
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        if self.optimizer == "adamw":
+            del data["optimizer"]
+        else:
+            for name in _ADAM_ONLY:
+                del data[name]
+        return data
+
     @property
     def changes_state(self) -> bool:
         return True
@@ -217,6 +267,9 @@ class OptimStep(Payload):
     @property
     def state_parts(self) -> tuple[str, ...]:
         return ("weights", "grads", "optimizer")
+
+
+_ADAM_ONLY = ("beta2", "eps", "weight_decay", "lora_plus_lr_ratio")
 
 
 class SaveWeights(Payload):

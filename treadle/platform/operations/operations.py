@@ -35,7 +35,7 @@ from treadle.platform.errors import (
     ValidationError,
 )
 from treadle.platform.eventlog import events
-from treadle.platform.eventlog.optypes import OpStatus, OpType, Payload
+from treadle.platform.eventlog.optypes import OpStatus, OptimStep, OpType, Payload
 from treadle.platform.eventlog.schema import events as event_rows
 from treadle.platform.eventlog.schema import operations, refused_seqs, sessions
 from treadle.platform.eventlog.schema import quotas as quota_rows
@@ -303,6 +303,21 @@ def payload_hash(payload: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+_PARAMS = {"adamw": "AdamParams", "dimuon": "DimuonParams"}
+_CONFIGS = {"adamw": "AdamOptimizerConfig", "dimuon": "DimuonOptimizerConfig"}
+
+
+def _check_optimizer(session_id: str, lora_config: Mapping[str, Any], given: str) -> None:
+    """A step for another optimizer than the session was created with is a 400."""
+    own = str(lora_config.get("optimizer", "adamw"))
+    if given != own:
+        raise ValidationError(
+            f"model {session_id} was created with {own} ({_CONFIGS[own]}) and keeps it for "
+            f"life; send {_PARAMS[own]} to optim_step, not {_PARAMS[given]} (to train with "
+            f"{given}, create a training client with optimizer={_CONFIGS[given]}())"
+        )
+
+
 def admit(
     conn: sa.Connection,
     principal: Principal,
@@ -368,6 +383,8 @@ def admit(
             f"source to train from there: `treadle fork {session.source_session_id} --at-seq "
             f"{session.source_seq}`"
         )
+    if isinstance(payload, OptimStep):
+        _check_optimizer(session_id, session.lora_config, payload.optimizer)
     if sampler_id is None and seq_id <= session.last_applied_seq:
         raise ValidationError(
             f"seq_id {seq_id} of {session_id} is behind the last applied operation "

@@ -44,6 +44,8 @@ __all__ = [
 
 # fp32 weight + its grad + AdamW's exp_avg and exp_avg_sq (lora/adapters.TrainableLora, optim).
 BYTES_PER_LORA_PARAMETER = 16
+# Dimuon keeps one moment (its momentum) where AdamW keeps two (engine/dimuon.py).
+_OPTIMIZER_STATE_BYTES = {"adamw": 8, "dimuon": 4}
 # A forward_backward holds, besides the adapter's own grads, a part's grads, their flat float32
 # copy and the running sum (training.forward_backward, gradients.PairwiseSum): an estimate, as a
 # deeper sum holds one more buffer per doubling of a rank's parts.
@@ -122,11 +124,16 @@ def lora_parameters(footprint: Mapping[str, Any], lora_config: Mapping[str, Any]
     return rank * sum(int(per_rank.get(c, 0)) for c in trained)
 
 
-def bytes_per_lora_parameter(footprint: Mapping[str, Any]) -> int:
+def bytes_per_lora_parameter(
+    footprint: Mapping[str, Any], lora_config: Mapping[str, Any] | None = None
+) -> int:
     """What a trained adapter holds per LoRA parameter on a model with `footprint`: the fp32
-    weight, its grad and AdamW's two moments, plus the copy its passes run in where the model's
-    activations are narrower (`adapter_copy_bytes`: 2 on a bfloat16 model, 0 on float32)."""
-    return BYTES_PER_LORA_PARAMETER + int(footprint.get("adapter_copy_bytes") or 0)
+    weight, its grad and AdamW's two moments (Dimuon's one, where `lora_config` names it), plus
+    the copy its passes run in where the model's activations are narrower
+    (`adapter_copy_bytes`: 2 on a bfloat16 model, 0 on float32)."""
+    optimizer = str((lora_config or {}).get("optimizer", "adamw"))
+    state = _OPTIMIZER_STATE_BYTES.get(optimizer, _OPTIMIZER_STATE_BYTES["adamw"])
+    return 8 + state + int(footprint.get("adapter_copy_bytes") or 0)
 
 
 def budget(worker_id: str, info: Mapping[str, Any], held: Sequence[Held]) -> Budget | None:
@@ -140,14 +147,16 @@ def budget(worker_id: str, info: Mapping[str, Any], held: Sequence[Held]) -> Bud
     complete = all(m in footprints for m in models)
     prints = [footprints[m] for m in models if m in footprints]
     parameters = [
-        (lora_parameters(footprints[h.base_model], h.lora_config), footprints[h.base_model])
+        (lora_parameters(footprints[h.base_model], h.lora_config), footprints[h.base_model], h)
         for h in held
         if h.has_adapter and h.base_model in footprints
     ]
-    adapters = sorted((n * bytes_per_lora_parameter(f) for n, f in parameters), reverse=True)
+    adapters = sorted(
+        (n * bytes_per_lora_parameter(f, h.lora_config) for n, f, h in parameters), reverse=True
+    )
     limit = int(limits.get("resident_adapters") or 0)
     resident = adapters if limit <= 0 else adapters[:limit]
-    largest = max((n for n, _ in parameters), default=0)
+    largest = max((n for n, _, _ in parameters), default=0)
     pass_and_kv = max((int(f.get("pass_bytes", 0)) + int(f.get("kv_bytes", 0)) for f in prints),
                       default=0)  # fmt: skip
     return Budget(
@@ -186,12 +195,17 @@ def need_words(info: Mapping[str, Any] | None, new: Held) -> str:
         return f"a session on {new.base_model}"
     flags = [c for c in CATEGORIES if new.lora_config.get(_FLAGS[c], True)]
     n = lora_parameters(footprint, new.lora_config)
-    per = bytes_per_lora_parameter(footprint)
-    copy = "" if per == BYTES_PER_LORA_PARAMETER else ", and the copy its passes run in"
+    per = bytes_per_lora_parameter(footprint, new.lora_config)
+    copy = ", and the copy its passes run in" if footprint.get("adapter_copy_bytes") else ""
+    moments = (
+        "Dimuon's momentum"
+        if new.lora_config.get("optimizer") == "dimuon"
+        else "AdamW's two moments"
+    )
     return (
         f"a rank-{new.lora_config.get('rank')} LoRA session on {new.base_model} training "
         f"{', '.join(flags)} ({n:,} LoRA parameters x {per} bytes = "
-        f"{size(n * per)} for fp32 weights, grads and AdamW's two moments{copy})"
+        f"{size(n * per)} for fp32 weights, grads and {moments}{copy})"
     )
 
 
