@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.config import PlatformConfig
 from treadle.platform.eventlog import events, notify
 from treadle.platform.eventlog.optypes import (
+    ForwardBackward,
     OptimStep,
     Payload,
     Rebuild,
@@ -360,7 +362,10 @@ class SessionHost:
         started = time.perf_counter()
         outcome = error = state = None
         try:
-            call = dataclasses.replace(call, interrupt=run.check)
+            interrupt = run.check
+            if isinstance(payload, ForwardBackward) and self.engine.topology() is None:
+                interrupt = self._between_passes(run, call.session_id)
+            call = dataclasses.replace(call, interrupt=interrupt)
             outcome = handlers.run(call, payload)
             if payload.changes_state:
                 state = self.engine.state_hashes(call.adapter_id, payload.state_parts)
@@ -373,6 +378,24 @@ class SessionHost:
         finally:
             self._running = None
         return outcome, error, state, time.perf_counter() - started
+
+    def _between_passes(self, run: Running, session_id: str) -> Callable[[], None]:
+        """The interrupt of a training operation's passes: `run`'s, then the samples waiting on
+        this worker, run to the end, so that a sample waits for one pass, not the whole
+        operation (a group's ranks run their passes together: only a worker alone does this).
+        The passes are unchanged: a sample touches no adapter's weights or grads."""
+        holding = None
+
+        def interrupt() -> None:
+            nonlocal holding
+            run.check()
+            if holding is None:
+                with db.reading(self.db) as conn:
+                    holding = sessions_core.get_session(conn, None, session_id)
+            while self.samples.run_waiting(holding):
+                run.check()
+
+        return interrupt
 
     # --- samplers' snapshots and recovery points ----------------------------------------------
 

@@ -148,6 +148,48 @@ class SampleBatches:
             finally:
                 self.running = {}
 
+    def run_waiting(self, holding: SessionRow) -> bool:
+        """Between two passes of `holding`'s training operation (this thread holds its lock):
+        run the samples waiting on this worker's sessions now, in one batch, so that none waits
+        for the whole operation; False when none waits (or every one's session is busy)."""
+        with self.host.db.connect() as conn:
+            found = self._first_waiting(conn)
+            if found is None:
+                return False
+            op, payload = found
+            session = sessions_core.get_session(conn, None, op.session_id)
+        session_id = session.id
+        if session.worker_id != self.host.worker_id or not session.is_active:
+            return False
+        if session_id == holding.id:
+            self.run(session, op, payload)
+            return True
+        lock = self.host.lock(session_id)
+        if not lock.acquire(blocking=False):
+            return False  # its own thread runs it
+        try:
+            self.run(session, op, payload)
+        finally:
+            lock.release()
+        return True
+
+    def _first_waiting(self, conn: sa.Connection) -> tuple[operations.OperationRow, Sample] | None:
+        """The first pending sample of this worker's sessions whose weights are ready."""
+        mine = leases.sessions_leased_to(conn, self.host.worker_id)
+        for _, request_id in operations.stale_pending(conn, mine, 0.0):
+            op = operations.get_operation(conn, None, request_id)
+            if op.is_done or op.sampler_id is None or op.type != OpType.SAMPLE:
+                continue
+            payload = parse_payload(
+                op.type, events.read_at(conn, op.request_position).data["payload"]
+            )
+            assert isinstance(payload, Sample)
+            snap = payload.snapshot_id
+            if snap and not payload.checkpoint_prefix and not self.host.engine.has_snapshot(snap):
+                continue  # its snapshot is rebuilt by its own wake-up
+            return op, payload
+        return None
+
     def _gather(
         self,
         session: SessionRow,
