@@ -34,6 +34,7 @@ from treadle.engine.losses.functions import (
     get_loss,
     validate_data,
 )
+from treadle.engine.losses.sampler_kl import kl_sample_train
 from treadle.engine.memory import fingerprint
 from treadle.engine.memory.capacity import device_memory_in_use
 from treadle.engine.memory.paging import Paging
@@ -336,8 +337,10 @@ class Engine:
                 forward_only=forward_only,
                 interrupt=interrupt,
             )
+        # N tokens a datum, however many targets (cross_entropy's top-K) each position has
         train_tokens = sum(len(a["tokens"]) for a in arrays)
-        return ForwardBackwardResult(outputs, {"loss:sum": total}, train_tokens, budget)
+        metrics = {"loss:sum": total, **kl_sample_train(data, arrays, outputs)}
+        return ForwardBackwardResult(outputs, metrics, train_tokens, budget)
 
     def pass_budget(self, adapter_id: str) -> int:
         """The padded tokens a pass of `adapter_id`'s forward_backward holds here unless the
