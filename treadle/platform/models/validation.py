@@ -215,7 +215,8 @@ def _check_rank2(i: int, inputs: Mapping[str, np.ndarray], n: int, spec: LossSpe
     """[T, K] inputs only where the loss takes them (cross_entropy's top-K target_tokens and
     weights), then every one of those the same shape [T, K] with 1 <= K <= MAX_TARGETS_PER_TOKEN;
     `_check_input` checks the rest (and refuses any other shape)."""
-    rank2 = {name: v for name, v in inputs.items() if v.ndim == 2}
+    # in the loss's order, not the request's (a protobuf map's order is arbitrary)
+    rank2 = {k: inputs[k] for k in spec.accepted_inputs if k in inputs and inputs[k].ndim == 2}
     if not rank2:
         return
     name, value = next(iter(rank2.items()))
