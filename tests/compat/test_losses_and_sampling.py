@@ -288,3 +288,125 @@ def test_provenance_is_ignored_by_a_loss_that_does_not_read_it(
     with_spans = training.forward([spanned], "cross_entropy").result()
     without = training.forward([datum], "cross_entropy").result()
     assert with_spans.metrics["loss:sum"] == pytest.approx(without.metrics["loss:sum"])
+
+
+# -- top-K targets and the sampler-vs-trainer KL ------------------------------------------------
+
+# K = 8, as sdft pads them: each position's next token, a fixed other, then id 0 at weight 0
+# (mostly zeros, so the SDK's from_torch_sparse sends CSR)
+K = 8
+TOPK_TARGETS = torch.zeros(len(PROMPT) - 1, K, dtype=torch.int64)
+TOPK_TARGETS[:-1, 0], TOPK_TARGETS[:-1, 1] = torch.tensor(PROMPT[1:-1]), 17
+TOPK_WEIGHTS = torch.zeros(len(PROMPT) - 1, K)
+TOPK_WEIGHTS[:-1, 0], TOPK_WEIGHTS[:-1, 1] = 0.6, 0.4
+
+
+@pytest.mark.parametrize("layout", ["dense", "sparse"])
+def test_topk_cross_entropy_is_the_sum_over_its_columns(
+    training: tinker.TrainingClient, layout: str
+) -> None:
+    """(N, K) target_tokens and weights, as tinker-cookbook's sdft sends them: logprobs (N, K),
+    each column the 1-D cross_entropy's logprobs of that column's targets, and loss:sum
+    -sum w * lp."""
+    encode = (
+        types.TensorData.from_torch if layout == "dense" else types.TensorData.from_torch_sparse
+    )
+    targets, weights = encode(TOPK_TARGETS), encode(TOPK_WEIGHTS)
+    assert (targets.sparse_crow_indices is not None) == (layout == "sparse")
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(PROMPT[:-1]),
+        loss_fn_inputs={"target_tokens": targets, "weights": weights},
+    )
+    columns = [
+        training.forward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(PROMPT[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": TOPK_TARGETS[:, k].tolist(),
+                        "weights": [1.0] * 7,
+                    },
+                )
+            ],
+            "cross_entropy",
+        )
+        .result()
+        .loss_fn_outputs[0]["logprobs"]
+        .to_torch()
+        for k in range(3)  # the other columns are column 2's: id 0
+    ]
+    expected_N_K = torch.stack([columns[min(k, 2)] for k in range(K)], -1)
+
+    out = training.forward_backward([datum], "cross_entropy").result()
+
+    logprobs = out.loss_fn_outputs[0]["logprobs"]
+    assert logprobs.shape == [7, K]
+    assert logprobs.to_torch().shape == (7, K)
+    torch.testing.assert_close(logprobs.to_torch(), expected_N_K, rtol=1e-5, atol=1e-5)
+    expected = -(TOPK_WEIGHTS * expected_N_K).sum()
+    assert out.metrics["loss:sum"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_topk_targets_of_another_shape_are_refused_by_name(training: tinker.TrainingClient) -> None:
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(PROMPT[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_torch(TOPK_TARGETS),
+            "weights": types.TensorData.from_torch(TOPK_WEIGHTS[:, :3].contiguous()),
+        },
+    )
+    with pytest.raises(
+        tinker.BadRequestError,
+        match=r"target_tokens has shape \[7, 8\] and weights has shape \[7, 3\]",
+    ):
+        training.forward_backward([datum], "cross_entropy").result()
+
+
+def test_forward_backward_reports_the_sampler_train_kl_over_sampled_targets(
+    training: tinker.TrainingClient,
+) -> None:
+    """The cookbook's datums carry provenance (a prompt span, then the sampled tokens): the KL
+    metrics count the sampled targets only, as the cookbook's mask does."""
+    n = len(PROMPT) - 1
+    q = np.linspace(-3.0, -0.5, n).astype(np.float32)
+    datum = _rl_datum(q.tolist(), [0.0, 0.0] + [1.0] * (n - 2)).with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="r:0", length=n)],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id="r:0", offset=1, length=2),
+            types.SampledProvenanceSpan(sequence_id="r:0", length=n - 2),
+        ],
+    )
+    out = training.forward([datum], "importance_sampling").result()
+    lp = np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist())
+    d = (q - lp)[2:]
+    assert out.metrics["kl_sample_train/tokens:sum"] == n - 2
+    assert out.metrics["kl_sample_train_v1:mean"] == pytest.approx(d.mean(), rel=1e-5)
+    assert out.metrics["kl_sample_train_v2:mean"] == pytest.approx(0.5 * (d**2).mean(), rel=1e-5)
+
+
+def test_forward_backward_custom_runs_on_topk_logprobs(training: tinker.TrainingClient) -> None:
+    """The SDK's client-side custom loss (as sdft's reverse-KL mode uses it) gets (N, K)
+    logprobs and sends (N, K) weights = -dC/dlp back with the same targets: the server's
+    surrogate loss:sum is -sum(weights * lp)."""
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(PROMPT[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_torch(TOPK_TARGETS),
+            "weights": types.TensorData.from_torch(TOPK_WEIGHTS),
+        },
+    )
+    seen: list[torch.Tensor] = []
+
+    def mass(
+        _: list[types.Datum], lps: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        seen.append(lps[0].detach().clone())
+        return (TOPK_WEIGHTS * lps[0].exp()).sum(), {}
+
+    out = training.forward_backward_custom([datum], mass).result()
+
+    (lp,) = seen
+    assert lp.shape == (7, K)
+    grad = TOPK_WEIGHTS * lp.exp()  # dC/dlp, which the SDK sends as -weights
+    assert out.metrics["loss:sum"] == pytest.approx(float(grad.sum()), rel=1e-5)
+    assert out.metrics["surrogate_loss:sum"] == pytest.approx(float((grad * lp).sum()), rel=1e-4)

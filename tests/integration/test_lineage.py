@@ -488,3 +488,48 @@ def test_treadle_fork_of_a_seq_never_reached_says_so_and_exits_2(source: Source)
     done = _treadle(source, "fork", source.model_id, "--at-seq", "999999")
     assert done.returncode == 2
     assert "applied operations up to seq" in done.stdout
+
+
+def test_top_k_targets_and_kl_marked_steps_replay_matching(platform: Platform) -> None:
+    """A step of top-K cross_entropy ([N, K] targets and weights) and one of ppo on a datum with
+    provenance (its sampled targets, kept for the KL metric, in the logged payload) replay to
+    the same weights."""
+    admin = AdminClient(platform.base_url, platform.admin_key)
+    key = admin.create_tenant(f"lineage-topk-{secrets.token_hex(3)}")["api_key"]
+    admin.close()
+    svc = treadle.ServiceClient(base_url=platform.base_url, api_key=key)
+    tc = svc.create_lora_training_client(BASE_MODEL, rank=4, seed=5)
+    tokens = [3, 7, 11, 5, 9]
+    top_k = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_numpy(np.asarray([[7, 2, 0]] * 5)),
+            "weights": types.TensorData.from_numpy(np.asarray([[0.7, 0.3, 0.0]] * 5, np.float32)),
+        },
+    )
+    rl = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={
+            "target_tokens": [7, 11, 5, 9, 4],
+            "logprobs": [0.0, -2.0, -1.5, -3.0, -0.5],
+            "advantages": [0.0, 1.0, -1.0, 0.5, 1.0],
+        },
+    ).with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="r:0", length=5)],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id="r:0", offset=1, length=1),
+            types.SampledProvenanceSpan(sequence_id="r:0", length=4),
+        ],
+    )
+    fb = tc.forward_backward([top_k], "cross_entropy").result()
+    assert fb.loss_fn_outputs[0]["logprobs"].shape == [5, 3]
+    tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+    fb = tc.forward_backward([rl], "ppo").result()
+    assert fb.metrics["kl_sample_train/tokens:sum"] == 4
+    tc.optim_step(types.AdamParams(learning_rate=0.02)).result()
+    model_id = tc.model_id
+    tc.stop()
+    report = svc.replay(model_id).report
+    assert report.matched, str(report)
+    assert (report.replayed, report.verified) == (5, 5)  # create_model + 2 x (fb + optim)
+    svc.close()

@@ -26,6 +26,26 @@ def rl_datum(n: int = 3, **override: Any) -> types.Datum:
     )
 
 
+def topk_datum(targets: list[list[int]], weights: list[list[float]], n: int = 3) -> types.Datum:
+    """cross_entropy's top-K datum: [N, K] target_tokens and weights (as given)."""
+
+    def tensor(rows: list[list[Any]], dtype: str) -> types.TensorData:
+        flat = [v for row in rows for v in row]
+        shape = [len(rows), len(rows[0])]
+        return types.TensorData(data=flat, dtype=dtype, shape=shape)  # type: ignore[arg-type]
+
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(1, 1 + n))),
+        loss_fn_inputs={
+            "target_tokens": tensor(targets, "int64"),
+            "weights": tensor(weights, "float32"),
+        },
+    )
+
+
+TOPK_IDS, TOPK_W = [[2, 3]] * 3, [[0.5, 0.5]] * 3
+
+
 @pytest.fixture(scope="module")
 def model(platform) -> tuple[WireClient, str]:
     client = WireClient(platform.base_url, platform.admin_key)
@@ -57,6 +77,14 @@ CASES = [
     ("mis-shaped weights", "ppo", [rl_datum(), rl_datum(weights=[1.0, 0.0])], None, "datum 1: weights has shape [2]"),
     ("nan weights", "cispo", [rl_datum(weights=[1.0, float("nan"), 1.0])], None, "datum 0: loss_fn_inputs['weights'] contains NaN"),
     ("target out of vocabulary", "cross_entropy", [datum([1, 2, 3]), datum([1, 2, 10**7])], None, "datum 1: target_tokens has token id 10000000"),
+    ("top-K weights 1-D", "cross_entropy", [rl_datum(target_tokens=topk_datum(TOPK_IDS, TOPK_W).loss_fn_inputs["target_tokens"], weights=[1.0] * 3, logprobs=None, advantages=None)], None, "datum 0: target_tokens has shape [3, 2] and weights has shape [3]; target_tokens and weights must have the same shape"),
+    ("top-K widths differ", "cross_entropy", [topk_datum(TOPK_IDS, [[0.5, 0.5, 0.0]] * 3)], None, "datum 0: target_tokens has shape [3, 2] and weights has shape [3, 3]"),
+    ("top-K rows short", "cross_entropy", [topk_datum([[2, 3]] * 2, [[0.5, 0.5]] * 2)], None, "datum 0: target_tokens has shape [2, 2] but model_input has 3 tokens; a 2-D target_tokens must be [3, K]"),
+    ("top-K id out of vocabulary", "cross_entropy", [topk_datum([[2, 3], [4, 5], [6, 10**7]], TOPK_W)], None, "datum 0: target_tokens has token id 10000000 at target_tokens[2, 1], outside the vocabulary"),
+    ("top-K nan weight", "cross_entropy", [topk_datum(TOPK_IDS, [[0.5, 0.5], [0.5, float("nan")], [1.0, 0.0]])], None, "datum 0: loss_fn_inputs['weights'] contains NaN"),
+    ("top-K K of another datum", "cross_entropy", [topk_datum(TOPK_IDS, TOPK_W), topk_datum([[2, 3, 4]] * 3, [[0.5, 0.25, 0.25]] * 3)], None, "datum 1: target_tokens is [N, 3] but datum 0's is [N, 2]"),
+    ("top-K too wide", "cross_entropy", [topk_datum([[2] * 65] * 3, [[0.0] * 65] * 3)], None, "at most 64 values per token"),
+    ("top-K on ppo", "ppo", [rl_datum(target_tokens=topk_datum(TOPK_IDS, TOPK_W).loss_fn_inputs["target_tokens"])], None, "datum 0: target_tokens has shape [3, 2]; loss 'ppo' takes 1-D inputs"),
 ]  # fmt: skip
 
 

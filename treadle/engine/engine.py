@@ -46,6 +46,7 @@ from treadle.engine.losses.functions import (
     get_loss,
     validate_data,
 )
+from treadle.engine.losses.sampler_kl import kl_sample_train
 from treadle.engine.memory import fingerprint
 from treadle.engine.memory.capacity import device_memory_in_use
 from treadle.engine.memory.paging import Paging
@@ -374,10 +375,13 @@ class Engine:
                 forward_only=forward_only,
                 interrupt=interrupt,
             )
+        # N tokens a datum, however many targets (cross_entropy's top-K) each position has
         train_tokens = sum(len(a["tokens"]) for a in arrays)
         metrics = {"loss:sum": total}
         if isinstance(loss, custom_graph.CustomLossGraph):
             metrics.update(custom_graph.reduce_metrics(outputs))
+        else:
+            metrics.update(kl_sample_train(data, arrays, outputs))
         return ForwardBackwardResult(outputs, metrics, train_tokens, budget)
 
     def pass_budget(self, adapter_id: str) -> int:

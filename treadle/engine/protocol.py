@@ -96,8 +96,9 @@ def weight_setting_calls() -> frozenset[str]:
 
 @dataclass
 class ForwardBackwardResult:
-    outputs: list[dict[str, np.ndarray]]  # per datum: logprobs, elementwise_loss; float32 [T_i]
-    metrics: dict[str, float]  # "loss:sum"
+    # per datum: logprobs, elementwise_loss; float32 [T_i] (cross_entropy's top-K: [T_i, K])
+    outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]  # "loss:sum", and `sampler_kl.KL_METRICS` where q was sent
     train_tokens: int
     pass_tokens: int  # the pass budget it ran with: a replay passes it back for the same bits
 

@@ -151,6 +151,9 @@ def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
             else np.array(
                 [np.nan if q is None else q for q in d.provenance.sampler_logprobs], np.float32
             ),
+            sampled_targets=None
+            if d.sampled_targets is None
+            else np.asarray(d.sampled_targets, bool),
         )
         for d in p.data
     ]

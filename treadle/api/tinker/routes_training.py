@@ -123,9 +123,14 @@ def forward_backward() -> Any:
     if spec.reads_provenance:
         with_request = _with_provenance(model_id, payload["data"])
         validation.validate_sampled_advantages(payload["data"], spec)
-    else:  # a loss that does not read provenance ignores it
+    else:  # a loss that does not read provenance ignores it, but for the KL metric's mask
         for datum in payload["data"]:
-            datum.pop("provenance", None)
+            provenance = datum.pop("provenance", None)
+            if provenance is None or "logprobs" not in spec.inputs:
+                continue
+            marks = recorded_samples.sampled_targets(provenance["targets"], len(datum["tokens"]))
+            if marks is not None:
+                datum["sampled_targets"] = marks
     return _submit(model_id, decoded["seq_id"], payload, with_request)
 
 

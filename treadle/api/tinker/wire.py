@@ -307,7 +307,8 @@ def _tensor(where: str, t: pb.Tensor, n_tokens: int, budget: _Budget) -> dict[st
         raise ValidationError(
             f"{where} declares shape {shape} ({declared} values) but its datum has {n_tokens} "
             f"tokens; a loss_fn_inputs tensor holds at most {MAX_VALUES_PER_TOKEN} values per "
-            "token (the losses take one per token: a 1-D tensor as long as model_input)"
+            "token (one per token: a 1-D tensor as long as model_input; cross_entropy also takes "
+            f"[N, K] target_tokens and weights, K <= {MAX_VALUES_PER_TOKEN})"
         )
     budget.spend(where, declared)
     array = _csr_to_dense(where, t.sparse_csr, shape, np_dtype) if sparse else values

@@ -117,25 +117,27 @@ def target_logprobs(
     plan_tokens: int | None = None,
 ) -> Tensor:
     """float32 log softmax(logits)[target] at every position of the right-padded batch
-    (padding's computed too, and meaningless). With `logits_per_chunk` and an output layer
-    `output_head` knows, the logits are computed for at most that many elements (positions x
-    vocabulary) at a time and recomputed in the backward; otherwise (None, or an unknown head)
-    from the model's full logits. With `plan_tokens`, the output layer runs as many chunks as
-    a pass of that many positions would, the extra ones empty: a sharded group's ranks, whose
-    output layer is a collective (`distributed.vocabulary`), call it as often as each other."""
+    (padding's computed too, and meaningless): [B, T] for `targets_B_T` [B, T], or [B, T, K]
+    for top-K targets [B, T, K] (K logprobs a position, gathered from each chunk's logits, so
+    what outlives a chunk is tokens x K, never tokens x vocabulary). With `logits_per_chunk`
+    and an output layer `output_head` knows, the logits are computed for at most that many
+    elements (positions x vocabulary) at a time and recomputed in the backward; otherwise
+    (None, or an unknown head) from the model's full logits. With `plan_tokens`, the output
+    layer runs as many chunks as a pass of that many positions would, the extra ones empty: a
+    sharded group's ranks, whose output layer is a collective (`distributed.vocabulary`), call
+    it as often as each other."""
     head = output_head(model) if logits_per_chunk is not None else None
     if head is None or logits_per_chunk is None:
         logits_B_T_V = model(
             input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
         ).logits.float()
-        picked_B_T = logits_B_T_V.gather(-1, targets_B_T[..., None])[..., 0]
-        return picked_B_T - torch.logsumexp(logits_B_T_V, dim=-1)
+        return _picked(logits_B_T_V, targets_B_T)
     hidden_B_T_H = model.get_decoder()(
         input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
     ).last_hidden_state
     # Padding's logits too, as the full forward computes them: skipping them changed the float
     # rounding of the grads enough to break tests/unit/engine/test_engine.py's 1e-6 comparisons.
-    hidden_N_H, targets_N = hidden_B_T_H.flatten(0, 1), targets_B_T.flatten()
+    hidden_N_H, targets_N = hidden_B_T_H.flatten(0, 1), targets_B_T.flatten(0, 1)  # [N] or [N, K]
     rows = max(1, logits_per_chunk // model.config.vocab_size)
     pieces = []
     # `split`, not slicing: its backward concatenates the chunks' grads once, where each slice's
@@ -149,13 +151,21 @@ def target_logprobs(
         else:
             lp_C = _chunk_logprobs(head, hidden_C_H, targets_C)
         pieces.append(lp_C)
-    return torch.cat(pieces).view(mask_B_T.shape)
+    return torch.cat(pieces).view(targets_B_T.shape)
 
 
 def _chunk_logprobs(head: Head, hidden_C_H: Tensor, targets_C: Tensor) -> Tensor:
-    logits_C_V = head(hidden_C_H).float()
-    picked_C = logits_C_V.gather(-1, targets_C[:, None])[:, 0]
-    return picked_C - torch.logsumexp(logits_C_V, dim=-1)
+    return _picked(head(hidden_C_H).float(), targets_C)
+
+
+def _picked(logits_V: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(`logits_V`) at `targets`: one id a position (targets' shape is the logits'
+    without the vocabulary) or K (targets [..., K])."""
+    if targets.dim() == logits_V.dim() - 1:  # one target a position
+        picked = logits_V.gather(-1, targets[..., None])[..., 0]
+        return picked - torch.logsumexp(logits_V, dim=-1)
+    picked_K = logits_V.gather(-1, targets)
+    return picked_K - torch.logsumexp(logits_V, dim=-1, keepdim=True)
 
 
 def wants_checkpointing(

@@ -63,14 +63,18 @@ Compute = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
 @dataclass(frozen=True)
 class EngineDatum:
     """Input tokens (already flattened) and named per-token arrays, e.g. `target_tokens` int64
-    [T] and `weights` float32 [T]; position i of `tokens` predicts `target_tokens[i]`.
+    [T] and `weights` float32 [T] (cross_entropy also takes both [T, K]: K targets a position,
+    top-K distillation); position i of `tokens` predicts `target_tokens[i]`.
     `sampler_logprobs` (float32 [T], NaN where the target was not sampled) is what the platform
     recorded for the sequences the datum's provenance names; only losses that read provenance
-    take it."""
+    take it. `sampled_targets` (bool [T]), where the datum's provenance tiles its targets, marks
+    the sampled ones (the others are prompt tokens): only the sampler-vs-trainer KL metric
+    (`sampler_kl`) reads it."""
 
     tokens: tuple[int, ...]
     loss_fn_inputs: Mapping[str, np.ndarray]
     sampler_logprobs: np.ndarray | None = None
+    sampled_targets: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -203,7 +207,11 @@ def validate_data(
         raise ValidationError("data is empty; send at least one datum")
     resolved = resolve_config(loss.spec, config)
     limits = validation.Limits(model_name, vocab_size, max_context_length)
-    return [_arrays(i, d, loss, limits, resolved) for i, d in enumerate(data)]
+    arrays = [_arrays(i, d, loss, limits, resolved) for i, d in enumerate(data)]
+    columns: list[int] = []
+    for i, a in enumerate(arrays):
+        validation.check_target_columns(i, a["target_tokens"], columns)
+    return arrays
 
 
 def _arrays(
@@ -216,6 +224,11 @@ def _arrays(
     tokens = np.asarray(datum.tokens)
     inputs = {name: np.asarray(value) for name, value in datum.loss_fn_inputs.items()}
     validation.check_datum(i, tokens, inputs, loss.spec, limits)
+    if datum.sampled_targets is not None and np.shape(datum.sampled_targets) != tokens.shape:
+        raise ValidationError(
+            f"datum {i}: its provenance marks {np.size(datum.sampled_targets)} targets, not "
+            f"{tokens.size}; its target spans must tile target_tokens"
+        )
     arrays = {"tokens": tokens.astype(np.int64)}
     for name in loss.spec.accepted_inputs:
         if name in loss.spec.ignored_inputs:
@@ -291,8 +304,9 @@ def batch_loss(
     plan_tokens: int | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], Tensor]:
     """One right-padded forward pass of validated `arrays` with whatever weights `model` runs
-    now: per datum `logprobs` and `elementwise_loss` (float32 [T_i]) and the summed loss, a
-    tensor the caller may backpropagate. Logprobs and losses are computed in float32.
+    now: per datum `logprobs` and `elementwise_loss` (float32 [T_i], or [T_i, K] for
+    cross_entropy's top-K targets) and the summed loss, a tensor the caller may backpropagate.
+    Logprobs and losses are computed in float32.
 
     The logits come at most `logits_per_chunk` at a time (None: all at once, the model's own
     forward; see `chunked_logprobs.target_logprobs`), once the pass's logits pass
@@ -307,11 +321,24 @@ def batch_loss(
     lengths = [len(a["tokens"]) for a in arrays]
     width = max(lengths)
 
+    # cross_entropy's top-K targets: the pass's [B, T, K] with K its datums' widest, a datum's
+    # missing columns (a 1-D datum's past its first) target 0 with weight 0
+    columns = [a["target_tokens"].shape[1] if a["target_tokens"].ndim == 2 else 0 for a in arrays]
+    top_k = max(columns)
+    # (a custom loss takes 1-D targets only: `custom_losses` refuses rank 2)
+    rank2 = () if isinstance(loss, CustomLossGraph) else loss.spec.rank2_inputs
+
     def padded(name: str, dtype: torch.dtype) -> Tensor:
-        out_B_T = torch.zeros(len(arrays), width, dtype=dtype)
+        if not (top_k and name in rank2):
+            out_B_T = torch.zeros(len(arrays), width, dtype=dtype)
+            for row, a in enumerate(arrays):
+                out_B_T[row, : lengths[row]] = torch.from_numpy(a[name])
+            return out_B_T.to(device)
+        out_B_T_K = torch.zeros(len(arrays), width, top_k, dtype=dtype)
         for row, a in enumerate(arrays):
-            out_B_T[row, : lengths[row]] = torch.from_numpy(a[name])
-        return out_B_T.to(device)
+            value_T_K = a[name] if a[name].ndim == 2 else a[name][:, None]
+            out_B_T_K[row, : lengths[row], : value_T_K.shape[1]] = torch.from_numpy(value_T_K)
+        return out_B_T_K.to(device)
 
     mask_B_T = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(device)
     tokens_B_T = padded("tokens", torch.long)
@@ -338,15 +365,21 @@ def batch_loss(
         )
     if isinstance(loss, CustomLossGraph):
         return _custom_outputs(loss, logprobs_B_T, arrays, lengths, device)
-    elementwise_B_T = torch.where(mask_B_T, loss.compute(logprobs_B_T, inputs, config), 0.0)
+    kept = mask_B_T[..., None] if top_k else mask_B_T
+    elementwise_B_T = torch.where(kept, loss.compute(logprobs_B_T, inputs, config), 0.0)
     logprobs_np = logprobs_B_T.detach().cpu().numpy()
     elementwise_np = elementwise_B_T.detach().cpu().numpy()
+
+    def own(values: np.ndarray, row: int) -> np.ndarray:
+        """Datum `row`'s part of a pass's [B, T] or [B, T, K] outputs, in its inputs' shape."""
+        n, k = lengths[row], columns[row]
+        if not top_k:
+            return values[row, :n].copy()
+        return values[row, :n, :k].copy() if k else values[row, :n, 0].copy()
+
     outputs = [
-        {
-            "logprobs": logprobs_np[row, :n].copy(),
-            "elementwise_loss": elementwise_np[row, :n].copy(),
-        }
-        for row, n in enumerate(lengths)
+        {"logprobs": own(logprobs_np, row), "elementwise_loss": own(elementwise_np, row)}
+        for row in range(len(arrays))
     ]
     return outputs, elementwise_B_T.sum()
 

@@ -177,6 +177,10 @@ class Datum(BaseModel):
     tokens: list[int]
     loss_fn_inputs: dict[str, Tensor]
     provenance: Provenance | None = None  # kept only for losses that read it
+    # For a loss that takes the sampler's logprobs but not provenance: which targets the datum's
+    # provenance spans mark sampled (1) or prompt (0), where they tile its targets; only the
+    # sampler-vs-trainer KL metric reads it (absent from operations logged before it was kept).
+    sampled_targets: list[int] | None = None
 
 
 class CustomLossInput(BaseModel):

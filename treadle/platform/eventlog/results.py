@@ -67,12 +67,14 @@ class RebuildOutput(Result):
 
 
 class ForwardBackwardOutput(Result):
-    """Per datum its outputs by name (`logprobs`, `elementwise_loss`: float32 [T_i]), and the
-    request's metrics named `name:reduction` (`loss:sum`). `pass_tokens` is the pass budget the
-    engine ran it with (padded tokens a pass): the grouping of the data into passes changes the
-    float rounding, so recovery, replay and fork run it again with this budget, whatever the
-    worker that does so is configured with (absent from results written before it was
-    recorded: those ran with the CPU's rule, the engine's default there)."""
+    """Per datum its outputs by name (`logprobs`, `elementwise_loss`: float32 [T_i], or
+    [T_i, K] for cross_entropy's top-K targets), and the request's metrics named
+    `name:reduction` (`loss:sum`, the sampler-vs-trainer `kl_sample_train_*`). `pass_tokens`
+    is the pass budget the engine ran it with (padded tokens a pass): the grouping of the data
+    into passes changes the float rounding, so recovery, replay and fork run it again with
+    this budget, whatever the worker that does so is configured with (absent from results
+    written before it was recorded: those ran with the CPU's rule, the engine's default
+    there)."""
 
     TYPE = OpType.FORWARD_BACKWARD
     OMITTED_WHEN_NONE = frozenset({"pass_tokens"})

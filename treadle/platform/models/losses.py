@@ -45,6 +45,9 @@ class LossSpec:
     # Whether the loss reads the datum's provenance: every datum must name recorded sequences
     # (Datum.with_provenance), which the API checks and resolves into RECORDED_INPUTS.
     reads_provenance: bool = False
+    # inputs a datum may send as [T, K] instead of [T] (all of them the same shape, K >= 1):
+    # cross_entropy's top-K targets, -sum_t sum_k w_tk * lp(x_tk), with [T, K] logprobs out
+    rank2_inputs: tuple[str, ...] = ()
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -77,7 +80,7 @@ _CLIP_KEYS = tuple(_CLIP)
 LOSS_SPECS: dict[str, LossSpec] = {
     spec.name: spec
     for spec in (
-        LossSpec("cross_entropy", ("weights",)),
+        LossSpec("cross_entropy", ("weights",), rank2_inputs=("target_tokens", "weights")),
         LossSpec("importance_sampling", _RL_INPUTS, optional_inputs=_WEIGHTS),
         LossSpec("ppo", _RL_INPUTS, _CLIP, per_token_config=_CLIP_KEYS, optional_inputs=_WEIGHTS),
         LossSpec("cispo", _RL_INPUTS, _CLIP, per_token_config=_CLIP_KEYS, optional_inputs=_WEIGHTS),

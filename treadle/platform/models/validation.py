@@ -38,7 +38,10 @@ FWDBWD_MAX_CHUNK_LEN = 1024
 MAX_PROTO_FIELDS = 2**19
 # A loss_fn_inputs tensor: rank 1 or 2, at most this many values per token of its datum.
 MAX_TENSOR_RANK = 2
-MAX_VALUES_PER_TOKEN = 16
+# cross_entropy's top-K targets: at most this many columns K of [T, K] target_tokens and
+# weights (tinker-cookbook's top-K distillation sends K = 20).
+MAX_TARGETS_PER_TOKEN = 64
+MAX_VALUES_PER_TOKEN = MAX_TARGETS_PER_TOKEN
 MAX_LOSS_INPUTS = 16  # tensors per datum
 # Sparse tensors are stored dense, so a request may declare at most one tensor value per 4 bytes
 # of its body (what a dense body carries) plus this many.
@@ -119,10 +122,33 @@ def validate_forward_backward(
         raise ValidationError("forward_backward needs at least one datum")
     if len(data) > MAX_DATUMS:
         raise ValidationError(f"{len(data)} datums in one request; send at most {MAX_DATUMS}")
+    columns: list[int] = []
     for i, datum in enumerate(data):
         inputs = {name: tensor_array(i, name, t) for name, t in datum["loss_fn_inputs"].items()}
         check_datum(i, _array_of(datum["tokens"], "int64"), inputs, spec, model)
+        check_target_columns(i, inputs["target_tokens"], columns)
     return spec, config
+
+
+def check_target_columns(i: int, target_tokens: np.ndarray, columns: list[int]) -> None:
+    """Datum `i`'s targets a position (1-D: 0; [T, K]: K) equal to the request's first datum's,
+    noted in `columns`: a request's `logprobs` come back as one batched tensor, whose trailing
+    shape (the K) every datum shares."""
+    k = int(target_tokens.shape[1]) if target_tokens.ndim == 2 else 0
+    if not columns:
+        columns.append(k)
+        return
+    if k != columns[0]:
+
+        def described(k: int) -> str:
+            return f"[N, {k}]" if k else "1-D [N]"
+
+        raise ValidationError(
+            f"datum {i}: target_tokens is {described(k)} but datum 0's is "
+            f"{described(columns[0])}; every datum of one request must take the same number of "
+            "targets per token (its logprobs come back as one batched tensor): send the others "
+            "in another request, or pad K with weight 0"
+        )
 
 
 def tensor_array(i: int, name: str, tensor: Mapping[str, Any]) -> np.ndarray:
@@ -155,8 +181,9 @@ def check_datum(
     model: ModelLimits,
 ) -> None:
     """Datum `i` of a forward_backward for loss `spec`: its tokens fit the model, and its
-    `loss_fn_inputs` are the ones the loss reads, each 1-D, one entry per token, of its dtype
-    (`target_tokens` int64 token ids, the rest finite float32), within its per-token range."""
+    `loss_fn_inputs` are the ones the loss reads, each 1-D, one entry per token (or, for the
+    loss's `rank2_inputs`, all of them [T, K]), of its dtype (`target_tokens` int64 token ids,
+    the rest finite float32), within its per-token range."""
     n = tokens.size
     if n == 0:
         raise ValidationError(f"datum {i}: model_input is empty; give it at least one token")
@@ -178,9 +205,43 @@ def check_datum(
             f"datum {i}: loss_fn_inputs has {unknown}, which loss {spec.name!r} does not read; "
             f"remove them (it reads {list(spec.accepted_inputs)})"
         )
+    _check_rank2(i, inputs, n, spec)
     for name in spec.accepted_inputs:
         if name in inputs:
             _check_input(i, name, inputs[name], n, spec, model)
+
+
+def _check_rank2(i: int, inputs: Mapping[str, np.ndarray], n: int, spec: LossSpec) -> None:
+    """[T, K] inputs only where the loss takes them (cross_entropy's top-K target_tokens and
+    weights), then every one of those the same shape [T, K] with 1 <= K <= MAX_TARGETS_PER_TOKEN;
+    `_check_input` checks the rest (and refuses any other shape)."""
+    # in the loss's order, not the request's (a protobuf map's order is arbitrary)
+    rank2 = {k: inputs[k] for k in spec.accepted_inputs if k in inputs and inputs[k].ndim == 2}
+    if not rank2:
+        return
+    name, value = next(iter(rank2.items()))
+    if not spec.rank2_inputs:
+        raise ValidationError(
+            f"datum {i}: {name} has shape {list(value.shape)}; loss {spec.name!r} takes 1-D "
+            f"inputs, one value per token of model_input ({n}). Only cross_entropy takes "
+            "[N, K] target_tokens and weights (top-K distillation)"
+        )
+    for name, value in rank2.items():
+        if name not in spec.rank2_inputs:
+            continue  # _check_input refuses it
+        if value.shape[0] != n or not 1 <= value.shape[1] <= MAX_TARGETS_PER_TOKEN:
+            raise ValidationError(
+                f"datum {i}: {name} has shape {list(value.shape)} but model_input has {n} "
+                f"tokens; a 2-D {name} must be [{n}, K] with K between 1 and "
+                f"{MAX_TARGETS_PER_TOKEN}"
+            )
+    shapes = {name: list(inputs[name].shape) for name in spec.rank2_inputs if name in inputs}
+    if len({tuple(s) for s in shapes.values()}) > 1:
+        described = " and ".join(f"{name} has shape {s}" for name, s in shapes.items())
+        raise ValidationError(
+            f"datum {i}: {described}; {' and '.join(shapes)} must have the same shape, both "
+            f"[{n}] (one target per token) or both [{n}, K] (K targets per token)"
+        )
 
 
 def _check_input(
@@ -192,10 +253,12 @@ def _check_input(
         raise ValidationError(
             f"datum {i}: {name} must be {'int64' if ids else 'float32'}, got {value.dtype}"
         )
-    if value.shape != (n,):
+    top_k = name in spec.rank2_inputs and value.ndim == 2  # its shape checked by _check_rank2
+    if value.shape != (n,) and not top_k:
+        also = f" (or [{n}, K] for loss {spec.name!r})" if name in spec.rank2_inputs else ""
         raise ValidationError(
             f"datum {i}: {name} has shape {list(value.shape)} but model_input has {n} tokens; "
-            f"it must be 1-D with {n} entries"
+            f"it must be 1-D with {n} entries{also}"
         )
     if ids:
         check_token_ids(f"datum {i}: {name}", name, value, model)
@@ -219,9 +282,10 @@ def check_token_ids(where: str, name: str, ids: np.ndarray, model: ModelLimits) 
         raise ValidationError(f"{where} must hold integer token ids, got {ids.dtype}")
     bad = np.flatnonzero((ids < 0) | (ids >= model.vocab_size))
     if bad.size:
-        j = int(bad[0])
+        at = np.unravel_index(int(bad[0]), ids.shape)
+        index = ", ".join(str(int(j)) for j in at)
         raise ValidationError(
-            f"{where} has token id {int(ids[j])} at {name}[{j}], outside the vocabulary "
+            f"{where} has token id {int(ids[at])} at {name}[{index}], outside the vocabulary "
             f"[0, {model.vocab_size}) of {model.name}"
         )
 

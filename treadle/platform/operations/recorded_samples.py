@@ -35,7 +35,7 @@ from treadle.platform.operations import operations as ops
 from treadle.platform.sessions.sessions import SessionKind, SessionRow
 from treadle.platform.tenancy.tenants import Principal
 
-__all__ = ["Recorded", "purge_expired", "record", "resolve", "touch"]
+__all__ = ["Recorded", "purge_expired", "record", "resolve", "sampled_targets", "touch"]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,15 @@ def _load(conn: sa.Connection, principal: Principal, request_ids: set[str]) -> d
         )
         for r in rows
     }
+
+
+def sampled_targets(spans: Sequence[Mapping[str, Any]], n: int) -> list[int] | None:
+    """Per target, 1 where the datum's target provenance `spans` mark it sampled and 0 where a
+    prompt token, without reading any record (the KL metric's action mask: nothing is trained
+    on it); None unless the spans tile the `n` targets exactly."""
+    if sum(int(s["length"]) for s in spans) != n:
+        return None
+    return [int(s["kind"] == "sampled") for s in spans for _ in range(int(s["length"]))]
 
 
 def _parse(sequence_id: str) -> tuple[str, str]:
