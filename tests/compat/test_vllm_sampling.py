@@ -4,11 +4,12 @@ SmolLM2-135M-Instruct, shared by every test here. Several sessions' adapters are
 together; each sequence's logprobs and compute_logprobs are within 1e-4 of the trainer's forward
 of the same tokens; the adapter after save_weights_and_get_sampling_client is the one sampled; a
 killed vLLM process is started again and its samples sent again, with no error for the client;
-cookbook 0.6.1's math_rl runs to the end on it.
+cookbook 0.6.1's math_rl and Treadle's own rl_math recipe run to the end on it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -195,3 +196,28 @@ def sampled_by_vllm(platform: Platform) -> int:
     """Completions vLLM's server answered (its log), so the samples did not fall back."""
     logs = (platform.data_dir).rglob("vllm/*.log")
     return sum(p.read_text(errors="replace").count('"POST /v1/completions') for p in logs)
+
+
+def test_the_rl_math_recipe_runs_to_the_end_on_vllm(
+    vllm_platform: Platform, tmp_path: Path
+) -> None:
+    served = sampled_by_vllm(vllm_platform)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TINKER_", "TREADLE_", "HF_", "TRANSFORMERS_"))
+    }
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "treadle.recipes.rl_math",
+            "--base-url", vllm_platform.base_url, "--api-key", vllm_platform.admin_key,
+            "--model", SMOLLM2, "--log-dir", str(tmp_path), "--no-progress",
+            "--train-size", "8", "--questions", "2", "--group-size", "2", "--eval-size", "2",
+            "--max-tokens", "6", "--steps", "2", "--eval-every", "0", "--save-every", "0",
+        ],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2]
+    assert sampled_by_vllm(vllm_platform) > served
