@@ -366,9 +366,10 @@ ROUTES: dict[str, RouteDoc] = {
         "JWT exchange: refused (400), Treadle takes the tml- key itself", "auth",
         errors=(400, 401),
     ),
-    "tinker_extras.create_custom_loss": RouteDoc(
-        "Server-side custom losses: refused (400), use forward_backward_custom", "training",
-        errors=(400, 401),
+    "tinker_custom_losses.create_custom_loss": RouteDoc(
+        "Upload a custom loss's traced graph (checked against the allowlist); its id through "
+        "retrieve_future, then forward_backward with loss_fn custom",
+        "training", body=schemas_tinker_extras.CreateCustomLoss, future=True, errors=(400, 401, 404),
     ),
 }  # fmt: skip
 
