@@ -10,7 +10,6 @@ reach the sampler (keeping one token is the greedy text)."""
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,8 +21,7 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.conftest import Platform
-from treadle.client.admin import AdminClient
+from tests.conftest import Platform, new_tenant_key
 from treadle.platform.models import tokenizers
 
 pytestmark = [pytest.mark.compat, pytest.mark.integration]
@@ -38,16 +36,9 @@ GREEDY = {"temperature": 0.0}
 SEEDED = {"seed": 4321}  # Treadle's extension: a tiny random model's greedy text is newlines
 
 
-def _tenant(platform: Platform) -> str:
-    admin = AdminClient(platform.base_url, platform.admin_key)
-    key = admin.create_tenant(f"anthropic-{secrets.token_hex(3)}")["api_key"]
-    admin.close()
-    return str(key)
-
-
 @pytest.fixture(scope="module")
 def key(platform: Platform) -> str:
-    return _tenant(platform)
+    return new_tenant_key(platform, "anthropic")
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +129,7 @@ def _prefill_tokens(platform: Platform, key: str, since: datetime) -> int:
 
 
 def test_count_tokens_equals_the_metered_input_tokens(platform: Platform, tok) -> None:
-    key = _tenant(platform)  # a tenant of its own: its usage is this test's
+    key = new_tenant_key(platform, "anthropic")  # a tenant of its own: its usage is this test's
     client, since = _client(platform, key), datetime.now(UTC)
     system = [{"type": "text", "text": SYSTEM}]
     counted = client.messages.count_tokens(model=BASE_MODEL, system=system, messages=MESSAGES)
@@ -225,7 +216,7 @@ def test_a_bad_request_is_a_400_saying_what_is_wrong(platform, key, change, says
 
 def test_another_tenants_model_and_no_key_are_refused(platform: Platform, trained) -> None:
     session, _, path = trained
-    other = _client(platform, _tenant(platform))
+    other = _client(platform, new_tenant_key(platform, "anthropic"))
     for model in (session, path):
         with pytest.raises(anthropic.NotFoundError) as caught:
             other.messages.create(model=model, max_tokens=2, messages=MESSAGES)

@@ -235,7 +235,7 @@ ENGINE_LAYERS: dict[str, set[str]] = {
     "models": set(),
     "memory": set(),
     "optim": set(),
-    "dimuon": set(),  # the Dimuon optimizer, beside AdamW's `optim`
+    "dimuon": {"optim"},  # the Dimuon optimizer, beside AdamW's `optim` (its grad clipping)
     "gradients": set(),  # the canonical sum of a request's gradient
     "lora": {"models", "memory", "optim", "dimuon"},
     "losses": {"models", "memory", "lora"},

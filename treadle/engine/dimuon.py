@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from treadle.engine.optim import clipped_grads
 from treadle.platform.errors import ValidationError
 
 __all__ = ["NS_COEFFICIENTS", "NS_EPS", "NS_STEPS", "Dimuon", "DimuonSpec", "check_dimuon", "msign"]
@@ -122,12 +123,7 @@ def step(optimizer: Dimuon, params: Sequence[torch.Tensor], spec: DimuonSpec) ->
     norm to `grad_clip_norm`, if > 0), then zero them. Returns the norm before clipping and
     `learning_rate`."""
     check_dimuon(spec)
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if spec.grad_clip_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, spec.grad_clip_norm, grad_norm)
+    grad_norm = clipped_grads(params, spec.grad_clip_norm)
     for group in optimizer.param_groups:
         group.update(lr=spec.learning_rate, beta1=spec.beta1)
     optimizer.step()

@@ -59,12 +59,7 @@ def step(
     everything else with `learning_rate`. Returns the norm before clipping and `learning_rate`
     (the A matrices')."""
     check_adam(adam)
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if adam.grad_clip_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm)
+    grad_norm = clipped_grads(params, adam.grad_clip_norm)
     # A ratio of 1 gives B exactly the learning rate (x * 1.0 == x), so the step is the one a
     # single group made before LoRA+ existed, bit for bit: AdamW updates each tensor alone.
     rates = {
@@ -81,6 +76,19 @@ def step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"grad_norm:mean": float(grad_norm), "learning_rate:mean": adam.learning_rate}
+
+
+def clipped_grads(params: Sequence[torch.Tensor], clip_norm: float) -> torch.Tensor:
+    """Give every parameter a grad (zeros where none reached it) and clip their global norm to
+    `clip_norm` (if > 0), in place; returns the norm before clipping. Both optimizers' first
+    step (`step`, `dimuon.step`)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if clip_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, clip_norm, grad_norm)
+    return grad_norm
 
 
 def check_adam(adam: AdamSpec) -> None:

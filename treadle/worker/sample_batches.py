@@ -158,37 +158,37 @@ class SampleBatches:
                 return False
             op, payload = found
             session = sessions_core.get_session(conn, None, op.session_id)
-        session_id = session.id
         if session.worker_id != self.host.worker_id or not session.is_active:
             return False
-        if session_id == holding.id:
-            self.run(session, op, payload)
-            return True
-        lock = self.host.lock(session_id)
-        if not lock.acquire(blocking=False):
+        # this thread holds the training session's lock; another session's may be busy
+        lock = None if session.id == holding.id else self.host.lock(session.id)
+        if lock is not None and not lock.acquire(blocking=False):
             return False  # its own thread runs it
         try:
             self.run(session, op, payload)
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
         return True
 
     def _first_waiting(self, conn: sa.Connection) -> tuple[operations.OperationRow, Sample] | None:
         """The first pending sample of this worker's sessions whose weights are ready."""
         mine = leases.sessions_leased_to(conn, self.host.worker_id)
-        for _, request_id in operations.stale_pending(conn, mine, 0.0):
+        for request_id in operations.pending_samples(conn, mine):
             op = operations.get_operation(conn, None, request_id)
-            if op.is_done or op.sampler_id is None or op.type != OpType.SAMPLE:
-                continue
-            payload = parse_payload(
-                op.type, events.read_at(conn, op.request_position).data["payload"]
-            )
-            assert isinstance(payload, Sample)
-            snap = payload.snapshot_id
-            if snap and not payload.checkpoint_prefix and not self.host.engine.has_snapshot(snap):
-                continue  # its snapshot is rebuilt by its own wake-up
-            return op, payload
+            if (payload := self._ready(conn, op)) is not None:
+                return op, payload
         return None
+
+    def _ready(self, conn: sa.Connection, op: operations.OperationRow) -> Sample | None:
+        """The sample `op`'s request, unless its sampler snapshot is still to be rebuilt (its
+        own wake-up does that)."""
+        payload = parse_payload(op.type, events.read_at(conn, op.request_position).data["payload"])
+        assert isinstance(payload, Sample)
+        snap = payload.snapshot_id
+        if snap and not payload.checkpoint_prefix and not self.host.engine.has_snapshot(snap):
+            return None
+        return payload
 
     def _gather(
         self,
@@ -314,16 +314,8 @@ class SampleBatches:
                 s = sessions[other_session]
                 if s is None or s.base_model != session.base_model:
                     continue
-                payload = parse_payload(
-                    op.type, events.read_at(conn, op.request_position).data["payload"]
-                )
-                assert isinstance(payload, Sample)
-                snap = payload.snapshot_id
-                if (
-                    snap
-                    and not payload.checkpoint_prefix
-                    and not self.host.engine.has_snapshot(snap)
-                ):
+                payload = self._ready(conn, op)
+                if payload is None:
                     continue
                 need = sample_kv_need(payload)
                 if need > room and not (need > budget and room == budget):

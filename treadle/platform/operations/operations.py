@@ -685,6 +685,25 @@ def stale_pending(
     return [(r.session_id, r.request_id) for r in rows]
 
 
+def pending_samples(conn: sa.Connection, session_ids: list[str]) -> list[str]:
+    """Request ids of the pending sample operations of `session_ids`, in (session, seq) order:
+    what a worker looks up between a training operation's passes, so one query, not one per
+    pending operation."""
+    if not session_ids:
+        return []
+    rows = conn.execute(
+        sa.select(operations.c.request_id)
+        .where(
+            operations.c.session_id.in_(session_ids),
+            operations.c.status == OpStatus.PENDING,
+            operations.c.type == OpType.SAMPLE,
+            operations.c.sampler_id.is_not(None),
+        )
+        .order_by(operations.c.session_id, operations.c.seq_id)
+    )
+    return [r.request_id for r in rows]
+
+
 # --- holes in the seq_id sequence ---------------------------------------------------------
 
 
