@@ -5,9 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Test processes (pytest-xdist), each with its own servers, database and platforms; files stay
 # whole on one process, so a module's fixtures start once. Most tests wait on processes they
-# started (platforms, servers, lease timeouts), so two keep a 2-core machine busy.
+# started (platforms, servers, lease timeouts), so two keep a 2-core machine busy. The 25
+# slowest steps are listed at the end, so a run that nears CI's limit says where its time went.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 .PHONY: demo test test-fast test-integration check bench install prometheus vllm clean
 

@@ -25,6 +25,7 @@ from tests.databases import private_database
 from tests.secure_app import SecureApp, running_secure_app
 from treadle.client.admin import AdminClient
 from treadle.platform import db
+from treadle.platform.child_process import ending_with_parent
 from treadle.platform.embedded import PORT_RANGE_ENV, EmbeddedServices, free_port, port_range
 
 ADMIN_KEY = "tml-test-admin-" + secrets.token_hex(8)
@@ -60,12 +61,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def port_block(ports: tuple[int, int], index: int, count: int) -> str:
     """Block `index` of `count` equal, disjoint slices of `ports` (low, high), as
-    TREADLE_PORT_RANGE; "" for a single process or a range too small to slice."""
+    TREADLE_PORT_RANGE; "" for a single process or a range too small to slice. pytest-xdist
+    numbers the process that replaces a crashed one past the count (gw2 of 2): it takes the
+    block of the slot it fills (the crashed process's servers may still hold some of its ports;
+    `free_port` passes over those), never one beyond the range."""
     low, high = ports
     size = (high - low + 1) // count
     if count < 2 or size < 1000:
         return ""
-    return f"{low + index * size}-{low + (index + 1) * size - 1}"
+    slot = index % count
+    return f"{low + slot * size}-{low + (slot + 1) * size - 1}"
 
 
 def worker_redis_url(redis_url: str) -> str:
@@ -175,19 +180,22 @@ def served_platform(
         **(env or {}),
     }
     log = open(data_dir / "up.log", "wb")  # noqa: SIM115
+    # ends with this test process however it ends (a test over its time limit ends it at once)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "treadle.cli",
-            "up",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-            "--workers",
-            str(workers),
-        ],
+        ending_with_parent(
+            [
+                sys.executable,
+                "-m",
+                "treadle.cli",
+                "up",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+                "--workers",
+                str(workers),
+            ]
+        ),
         env=full_env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -3,8 +3,10 @@ TREADLE_SAMPLER_BACKEND=vllm): its worker starts one vLLM server (`make vllm`'s 
 SmolLM2-135M-Instruct, shared by every test here. Several sessions' adapters are sampled
 together; each sequence's logprobs and compute_logprobs are within 1e-4 of the trainer's forward
 of the same tokens; the adapter after save_weights_and_get_sampling_client is the one sampled; a
-killed vLLM process is started again and its samples sent again, with no error for the client;
-cookbook 0.6.1's math_rl and Treadle's own rl_math recipe run to the end on it.
+sample finishes while the worker is inside a forward_backward's training call (the sampling
+thread, worker/sampler_thread.py); a killed vLLM process is started again and its samples sent
+again, with no error for the client; cookbook 0.6.1's math_rl and Treadle's own rl_math recipe
+run to the end on it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import tinker
 from tinker import types
 
@@ -29,6 +32,7 @@ from tests.conftest import Platform, Services, new_tenant_key, served_platform
 from tests.databases import private_database
 from tests.vllm_env import vllm_python
 from treadle.platform.models import catalog
+from treadle.worker import faults
 
 pytestmark = pytest.mark.vllm
 
@@ -50,6 +54,7 @@ def vllm_platform(
         "TREADLE_SAMPLER_BACKEND": "vllm",
         "TREADLE_VLLM_PYTHON": vllm_python(),
         "TREADLE_VLLM_MAX_LORA_RANK": "16",
+        "TREADLE_DEBUG_FAULTS": "1",  # a forward_backward held inside its passes (faults.py)
         # its own cache: the server's model folder, log and adapters under `data_dir`
         "TREADLE_CACHE_DIR": str(data_dir / "cache"),
     }
@@ -137,6 +142,36 @@ def test_the_adapter_after_save_weights_and_get_sampling_client_is_the_one_sampl
     expected = forward_logprobs(tc, PROMPT)
     np.testing.assert_allclose(after[1:], expected, atol=TOLERANCE, rtol=0)
     assert np.abs(np.asarray(before[1:]) - expected).max() > 10 * TOLERANCE
+
+
+def test_a_sample_finishes_while_a_forward_backward_computes(
+    vllm_platform: Platform, service: tinker.ServiceClient
+) -> None:
+    """The worker's one Celery thread is held inside a forward_backward's training call, the
+    engine's lock held, before its first pass (`faults.IN_PASSES`): the session's sample, sent
+    then, finishes on the sampling thread while the forward_backward is still held; on the
+    reference loop it would wait for the whole call."""
+    tc = trained(service, seed=7)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    pauses = redis.Redis.from_url(vllm_platform.redis_url)
+    model_id = str(tc.model_id)
+    faults.arm_pause(pauses, model_id, faults.IN_PASSES, 120.0)
+    tokens = PROMPT + PROMPT
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    held = tc.forward_backward([datum], "cross_entropy")
+    deadline = time.monotonic() + 60
+    while pauses.get(faults.paused_key(model_id)) is None:
+        assert time.monotonic() < deadline, "the forward_backward never reached its passes"
+        time.sleep(0.1)
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=9)
+    result = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, params).result(timeout=60)
+    assert len(result.sequences) == 2
+    assert pauses.exists(faults.paused_key(model_id))  # still held: the sample did not wait
+    faults.release(pauses, model_id)
+    assert held.result(timeout=60).metrics["loss:sum"] > 0
 
 
 def vllm_server_pids(platform: Platform) -> list[int]:

@@ -142,7 +142,7 @@ def test_a_cycle_is_found_where_there_is_one(tmp_path: Path) -> None:
 
 # treadle/platform: the process's plumbing at the top, which imports no package; each package
 # may import the plumbing and the packages named here (docs/design.md, "The map").
-PLATFORM_PLUMBING = {"after_commit", "config", "db", "embedded", "errors", "logs", "metrics"}
+PLATFORM_PLUMBING = {"after_commit", "child_process", "config", "db", "embedded", "errors", "logs", "metrics"}
 PLATFORM_LAYERS = {
     "eventlog": set(),
     "models": {"eventlog", "tenancy"},  # the registry: its table, events and operator checks
@@ -222,6 +222,7 @@ def test_api_surfaces_import_no_other_surface() -> None:
 ENGINE_PLATFORM = {
     "treadle.platform.errors",
     "treadle.platform.config",
+    "treadle.platform.child_process",  # vLLM's servers end with their worker
     "treadle.platform.models.catalog",
     "treadle.platform.models.lora_names",  # the LoRA target rules registration applies too
     "treadle.platform.models.structure",  # the layer types registration admits, the sampler's

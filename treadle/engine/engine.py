@@ -491,7 +491,14 @@ class Engine:
             return VllmBatch(self._vllm_backend(base_model), self._vllm_job)
         return SampleBatch(self, self._base(base_model))
 
+    def samples_beside_training(self) -> bool:
+        """Whether samples may run while a training call runs, from another thread: with vLLM
+        (its own processes), whose batches take no lock a training call holds."""
+        return self.vllm is not None
+
     def _vllm_backend(self, base_model: str) -> VllmBackend:
+        if (backend := self._vllm.get(base_model)) is not None:
+            return backend  # without the lock, as `_base`
         with self._lock:
             if base_model not in self._vllm:
                 assert self.vllm is not None
@@ -506,6 +513,8 @@ class Engine:
                 )
                 adapters = self.cache_dir / "vllm" / "adapters"
                 adapters.mkdir(parents=True, exist_ok=True)
+                zero = base.host.new_weights(LoraSpec(rank=1, alpha=1.0), torch.device("cpu"))
+                self._zero[base_model] = zero
                 self._vllm[base_model] = VllmBackend(
                     server,
                     base_model=base_model,
@@ -518,39 +527,45 @@ class Engine:
         """The request validated (`_job`), and the adapter vLLM serves it with: its snapshot's
         float32 weights, or for the base model alone an adapter whose B is 0 (vLLM 0.32 on the
         CPU gives rows without an adapter the adapter of its last slot when every slot is in
-        use in a step; rows that all have one are served right)."""
-        with self._lock:
-            job = self._job(request)
-            if request.snapshot_id is None:
-                if request.base_model not in self._zero:
-                    spec = LoraSpec(rank=1, alpha=1.0)
-                    host = self._base(request.base_model).host
-                    self._zero[request.base_model] = host.new_weights(spec, torch.device("cpu"))
-                return job, BASE_ADAPTER, self._zero[request.base_model]
-            snap = self._snapshots.get(request.snapshot_id)
-            assert snap is not None  # `_job` found it
-            return job, request.snapshot_id, snap.weights
+        use in a step; rows that all have one are served right). Takes not the engine's lock
+        but the snapshot table's own (`Snapshots`): it runs while a training call holds the
+        engine's (`samples_beside_training`); the batch's base model is loaded already."""
+        snap = self._snapshot_of(request)
+        job = self._job(request, None)
+        if snap is None:
+            return job, BASE_ADAPTER, self._zero[request.base_model]
+        assert request.snapshot_id is not None
+        return job, request.snapshot_id, snap.weights
 
-    def _job(self, request: SampleRequest) -> SampleJob:
-        """The request validated, with its snapshot's weights; ValidationError or NotFoundError
-        saying what is wrong."""
+    def _snapshot_of(self, request: SampleRequest) -> Snapshot | None:
+        """The snapshot the request samples (None: the base model alone); NotFoundError or
+        ValidationError saying what is wrong."""
+        if request.snapshot_id is None:
+            return None
+        snap = self._snapshots.get(request.snapshot_id)
+        if snap is None:
+            raise NotFoundError(f"snapshot {request.snapshot_id!r} not found; save weights first")
+        if snap.base_model != request.base_model:
+            raise ValidationError(
+                f"snapshot {request.snapshot_id!r} belongs to base model {snap.base_model!r}, "
+                f"not {request.base_model!r}; sample it with its own base model"
+            )
+        return snap
+
+    def _reference_job(self, request: SampleRequest) -> SampleJob:
+        """The request validated, with its snapshot's weights in the model's activation dtype
+        (the float32 weights on a float32 model: a copy made once per snapshot, so its batches
+        share one set of stacks), for the reference loop."""
+        snap = self._snapshot_of(request)
+        if snap is None:
+            return self._job(request, None)
+        dtype = compute_dtype(self._base(request.base_model).model.dtype)
+        return self._job(request, snap.weights.in_dtype(dtype))
+
+    def _job(self, request: SampleRequest, weights: LoraWeights | None) -> SampleJob:
+        """The request validated, decoded with `weights`; ValidationError saying what is
+        wrong."""
         base = self._base(request.base_model)
-        weights = None
-        if request.snapshot_id is not None:
-            snap = self._snapshots.get(request.snapshot_id)
-            if snap is None:
-                raise NotFoundError(
-                    f"snapshot {request.snapshot_id!r} not found; save weights first"
-                )
-            if snap.base_model != request.base_model:
-                raise ValidationError(
-                    f"snapshot {request.snapshot_id!r} belongs to base model "
-                    f"{snap.base_model!r}, not {request.base_model!r}; sample it with its own "
-                    "base model"
-                )
-            # the copy in the model's activation dtype (the float32 weights on a float32
-            # model), made once per snapshot so its batches share one set of stacks
-            weights = snap.weights.in_dtype(compute_dtype(base.model.dtype))
         tokens = sampler.validate_sampling(
             request.prompt,
             request.num_samples,
@@ -647,6 +662,11 @@ class Engine:
     # -- internals ----------------------------------------------------------------------------
 
     def _base(self, name: str) -> Base:
+        # A loaded base is found without the lock, which a training call holds for its length:
+        # vLLM's samples run beside it (`_vllm_job`). A dict lookup is atomic, and a base is
+        # put in only once it is whole.
+        if (base := self._bases.get(name)) is not None:
+            return base
         with self._lock:
             if name not in self._bases:
                 info = self.models(name)
@@ -744,7 +764,7 @@ class SampleBatch:
                         raise ValidationError(
                             f"this batch samples {self._base_model!r}, not {request.base_model!r}"
                         )
-                    jobs.append((key, self._engine._job(request)))
+                    jobs.append((key, self._engine._reference_job(request)))
                 except (ValidationError, NotFoundError, UnavailableError) as exc:
                     finished.append((key, exc))
             tokens = sum(len(job.prompt) for _, job in jobs)

@@ -314,6 +314,11 @@ class EngineAPI(Protocol):
 
     def open_batch(self, base_model: str) -> SampleBatchAPI: ...
 
+    def samples_beside_training(self) -> bool:
+        """Whether sample batches may run on another thread while a training call runs (their
+        engine is not the one training: vLLM's processes)."""
+        ...
+
     # -- files
 
     def export_adapter(self, adapter_id: str, folder: Path, *, with_optimizer: bool) -> None: ...

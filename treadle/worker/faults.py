@@ -5,8 +5,10 @@ session's worker executes then holds still after its effect on the engine and be
 settlement, and announces it (`treadle:debug:paused:<session>` = seq_id), so the test can kill the
 worker, PostgreSQL or Redis at exactly that point; it resumes after its time, or as soon as the
 test deletes that key (`release`). One-shot: the pause is consumed when it fires, so the
-operation's re-execution by the next holder runs straight through. A settlement that fails is
-announced too (`treadle:debug:settle-failed:<session>` = seq_id).
+operation's re-execution by the next holder runs straight through. A pause armed for
+`IN_PASSES` holds a forward_backward before its first pass instead, inside the engine's training
+call. A settlement that fails is announced too (`treadle:debug:settle-failed:<session>` =
+seq_id).
 Imports platform only; never api.
 """
 
@@ -18,6 +20,9 @@ import time
 import redis
 
 log = logging.getLogger(__name__)
+
+# The pause type that holds a forward_backward before its first pass (`arm_pause`).
+IN_PASSES = "forward_backward_passes"
 
 
 def _pause_key(session_id: str) -> str:

@@ -50,6 +50,7 @@ from treadle.platform.sessions.sessions import ADAPTER_KINDS, SessionRow, Sessio
 from treadle.worker import faults, handlers, recovery
 from treadle.worker.running import Running, WorkerClosing, error_of
 from treadle.worker.sample_batches import SampleBatches
+from treadle.worker.sampler_thread import SamplerThread
 from treadle.worker.settle import Settler
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,13 @@ class SessionHost:
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._held: dict[str, _Held] = {}
         self._running: Running | None = None
+        self._waking = 0  # wake-ups running now (`busy`); changed under `_waking_lock`
+        self._waking_lock = threading.Lock()
         self.settler = Settler(db, redis_client, worker_id, config.metering)
         self.samples = SampleBatches(self)
+        # samples beside training (vLLM) run on a thread of their own; else on the Celery
+        # thread, between a training operation's passes
+        self.sampler = SamplerThread(self) if self.samples.beside else None
         self.on_not_holder: Any = None  # set by the runtime: stop consuming a lost session
 
     # --- entry points (Celery tasks, the lease keeper) ---------------------------------------
@@ -95,6 +101,15 @@ class SessionHost:
         """Run what the session has pending (`request_id`: a sample to run now)."""
         if self.closing.is_set():
             return
+        with self._waking_lock:
+            self._waking += 1
+        try:
+            self._wake(session_id, request_id)
+        finally:
+            with self._waking_lock:
+                self._waking -= 1
+
+    def _wake(self, session_id: str, request_id: str | None) -> None:
         with self._locks[session_id]:
             with db.reading(self.db) as conn:  # one read, no transaction to begin or end
                 if request_id is None:
@@ -167,6 +182,13 @@ class SessionHost:
     def close(self) -> None:
         """The worker is shutting down: interrupt the running operation, start nothing new."""
         self.closing.set()
+        if self.sampler is not None:
+            self.sampler.poke()
+
+    def busy(self) -> bool:
+        """Whether a wake-up is running now (an operation, a rebuild: the wake-ups of samples
+        wait behind it)."""
+        return self._waking > 0
 
     # --- ordering ---------------------------------------------------------------------------
 
@@ -326,9 +348,16 @@ class SessionHost:
     def _run_unordered(
         self, session: SessionRow, op: operations.OperationRow, payload: Payload
     ) -> None:
-        """A sampler's operation: a sample joins a batch; anything else runs alone, now."""
+        """A sampler's operation: a sample joins a batch (on the sampling thread, when there is
+        one: its snapshot made here, under its session's lock); anything else runs alone, now."""
         if isinstance(payload, Sample):
-            self.samples.run(session, op, payload)
+            if payload.snapshot_id and not payload.checkpoint_prefix:
+                self.ensure_snapshot(session, payload.snapshot_id)
+            if self.sampler is None:
+                self.samples.run(session, op, payload)
+            else:
+                self.samples.woken.add(op.request_id)
+                self.sampler.poke()
             return
         outcome, error, _, seconds = self._run(self.call(session, op), payload, op)
         self.settler.settle(session, op, outcome, error, None, seconds, time.time() - seconds)
@@ -363,8 +392,14 @@ class SessionHost:
         outcome = error = state = None
         try:
             interrupt = run.check
-            if isinstance(payload, ForwardBackward) and self.engine.topology() is None:
+            if (
+                isinstance(payload, ForwardBackward)
+                and self.engine.topology() is None
+                and self.sampler is None
+            ):
                 interrupt = self._between_passes(run, call.session_id)
+            if self.config.debug_faults and isinstance(payload, ForwardBackward):
+                interrupt = self._pause_in_passes(interrupt, call.session_id, op.seq_id)
             call = dataclasses.replace(call, interrupt=interrupt)
             outcome = handlers.run(call, payload)
             if payload.changes_state:
@@ -396,6 +431,18 @@ class SessionHost:
                 run.check()
 
         return interrupt
+
+    def _pause_in_passes(
+        self, interrupt: Callable[[], None], session_id: str, seq_id: int
+    ) -> Callable[[], None]:
+        """Fault tests: the interrupt of a forward_backward's passes, paused first when a pause
+        is armed for `faults.IN_PASSES` (held inside the engine's training call)."""
+
+        def paused() -> None:
+            faults.maybe_pause(self.redis, session_id, faults.IN_PASSES, seq_id, self.closing)
+            interrupt()
+
+        return paused
 
     # --- samplers' snapshots and recovery points ----------------------------------------------
 

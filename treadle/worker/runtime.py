@@ -143,6 +143,8 @@ def run_worker(
         host.close()
         keeper.stopped.set()
         keeper.join(timeout=10)
+        if host.sampler is not None:
+            host.sampler.close()  # its batch ends at its next step
         engine.close()  # a group's other ranks stop following
         with host.db.begin() as conn:
             released = leases.retire_worker(conn, worker_id, "the worker shut down")

@@ -8,7 +8,14 @@ operation waits on this worker: then the batch takes no more and ends when its s
 so a stream of samples never starves training. Each sample leaves as soon as it is done and is
 settled at once. Each sample runs under its own interrupt (`running.Running`), so
 cancelling one stops only it; the streams of those streamed to their clients are written after
-every step (`streaming`). Imports platform and the engine; never api.
+every step (`streaming`).
+
+Where the engine's samples run beside training (`EngineAPI.samples_beside_training`: vLLM, in
+processes of its own), the batches run on the host's sampling thread (`sampler_thread`) instead,
+while the Celery thread trains: they take no session's lock (a sample reads only its snapshot,
+which training never changes), keep taking samples whatever else waits, and run only samples
+whose snapshots are ready (the Celery thread's wake-up rebuilds one, under its session's lock).
+Imports platform and the engine; never api.
 """
 
 from __future__ import annotations
@@ -83,8 +90,6 @@ class BatchHost(Protocol):
 
     def call(self, session: SessionRow, op: operations.OperationRow) -> handlers.Call: ...
 
-    def ensure_snapshot(self, session: SessionRow, snapshot_id: str) -> None: ...
-
     def closing_interrupt(self) -> None: ...
 
 
@@ -94,6 +99,10 @@ class SampleBatches:
     def __init__(self, host: BatchHost) -> None:
         self.host = host
         self.running: dict[str, Running] = {}  # request id -> each sample of the running batch
+        self.beside = host.engine.samples_beside_training()  # see the module's docstring
+        # beside training: the samples whose wake-ups made their snapshots if they could; one
+        # whose snapshot is still missing then runs, to fail with the engine's not-found error
+        self.woken: set[str] = set()
 
     def running_ops(self) -> list[operations.OperationRow]:
         """The sample operations of the batch running now (empty when none)."""
@@ -108,10 +117,9 @@ class SampleBatches:
         """Run `first` (its request's `payload`) in one continuous batch with the samples
         waiting on this worker's sessions; more join between decoding steps while the KV budget
         has room and no other kind of operation waits, and each is settled as soon as it
-        finishes (called holding `session`'s lock)."""
+        finishes (called holding `session`'s lock, or beside training on the sampling thread;
+        `first`'s snapshot made, `_ready`)."""
         assert isinstance(payload, Sample)
-        if payload.snapshot_id and not payload.checkpoint_prefix:
-            self.host.ensure_snapshot(session, payload.snapshot_id)
         batch = self.host.engine.open_batch(session.base_model)
         streams = streaming.Streams(self.host.redis)  # the requests streamed to their clients
         admitted: dict[str, _Sampling] = {}
@@ -148,6 +156,20 @@ class SampleBatches:
             finally:
                 self.running = {}
 
+    def run_beside(self) -> bool:
+        """On the sampling thread, beside training: run the samples waiting on this worker's
+        sessions now, in one batch; False when none waits."""
+        with self.host.db.connect() as conn:
+            found = self._first_waiting(conn)
+            if found is None:
+                return False
+            op, payload = found
+            session = sessions_core.get_session(conn, None, op.session_id)
+        if session.worker_id != self.host.worker_id or not session.is_active:
+            return False
+        self.run(session, op, payload)
+        return True
+
     def run_waiting(self, holding: SessionRow) -> bool:
         """Between two passes of `holding`'s training operation (this thread holds its lock):
         run the samples waiting on this worker's sessions now, in one batch, so that none waits
@@ -182,11 +204,12 @@ class SampleBatches:
 
     def _ready(self, conn: sa.Connection, op: operations.OperationRow) -> Sample | None:
         """The sample `op`'s request, unless its sampler snapshot is still to be rebuilt (its
-        own wake-up does that)."""
+        own wake-up does that, `SessionHost.ensure_snapshot`)."""
         payload = parse_payload(op.type, events.read_at(conn, op.request_position).data["payload"])
         assert isinstance(payload, Sample)
         snap = payload.snapshot_id
-        if snap and not payload.checkpoint_prefix and not self.host.engine.has_snapshot(snap):
+        missing = snap and not payload.checkpoint_prefix and not self.host.engine.has_snapshot(snap)
+        if missing and not (self.beside and op.request_id in self.woken):
             return None
         return payload
 
@@ -263,6 +286,7 @@ class SampleBatches:
                 raise out  # it stays pending for the next holder
             sampling = admitted.pop(str(key))
             self.running.pop(sampling.op.request_id, None)
+            self.woken.discard(sampling.op.request_id)
             outcome, error = None, None
             failed = f"{sampling.session.id}: sample seq {sampling.op.seq_id} failed"
             try:
@@ -290,7 +314,7 @@ class SampleBatches:
         so that a large sample is not passed over for ever; one larger than the whole budget
         goes in alone, when the batch holds nothing else); takes the lock of each other session it
         includes (skipping a busy one). And whether no other kind of operation waits on this
-        worker (False: the batch should take no more)."""
+        worker (False: the batch should take no more; never beside training)."""
         found: list[tuple[SessionRow, operations.OperationRow, Sample]] = []
         budget = self.host.config.sampler_kv_tokens
         only_samples = True
@@ -323,16 +347,18 @@ class SampleBatches:
                     continue
                 found.append((s, op, payload))
                 room -= need
-        return found, only_samples
+        return found, only_samples or self.beside
 
     def _joinable(
         self, conn: sa.Connection, session_id: str, locks: contextlib.ExitStack
     ) -> SessionRow | None:
-        """The session, locked for the rest of the batch, if this worker holds it, it is
-        active and no other thread is busy with it."""
+        """The session, locked for the rest of the batch (not beside training), if this worker
+        holds it, it is active and no other thread is busy with it."""
         s = sessions_core.get_session(conn, None, session_id)
         if s.worker_id != self.host.worker_id or not s.is_active:
             return None
+        if self.beside:
+            return s
         lock = self.host.lock(session_id)
         if not lock.acquire(blocking=False):
             return None

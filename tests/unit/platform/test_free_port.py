@@ -77,6 +77,14 @@ def test_parallel_test_processes_get_disjoint_blocks_covering_the_range(
     assert default[0][0] == PORT_FLOOR and default[0][1] < default[1][0] and default[1][1] < low
 
 
+def test_a_process_replacing_a_crashed_one_gets_a_block_inside_the_range() -> None:
+    # pytest-xdist names the replacement of gw0 (of 2) gw2: a block past the range would fall in
+    # the ephemeral range, where free_port finds nothing, and every later test would error
+    blocks = [parse_port_range(port_block((10000, 32767), i, 2)) for i in range(4)]
+    assert blocks[2] == blocks[0] and blocks[3] == blocks[1]
+    assert all(10000 <= low <= high <= 32767 for low, high in blocks)
+
+
 def test_one_process_or_a_small_range_keeps_the_range_as_it_is(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

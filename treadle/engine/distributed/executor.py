@@ -198,6 +198,9 @@ class GroupExecutor:
                 raise error
         return LeaderBatch(self, base_model)
 
+    def samples_beside_training(self) -> bool:
+        return False  # the group's ranks decode together, between its training calls
+
     def sample_batch(
         self, requests: Sequence[SampleRequest], *, interrupt: Interrupt | None = None
     ) -> list[SampleResult | Exception]:

@@ -5,7 +5,8 @@ Owns `Snapshot` (the frozen weights, their base model, the adapter they were tak
 others written to one file each under `spill_dir` and read back, bit for bit, when next used. An
 RL loop takes a snapshot every step (`save_weights_and_get_sampling_client`) and never samples the
 old ones again, so without a limit a session's memory grows by one adapter's weights a step. The
-engine calls this under its lock. Must not import flask, sqlalchemy, celery or treadle.api.
+table takes its own lock: vLLM's samples read it while a training call holds the engine's. Must
+not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import itertools
 import json
 import shutil
 import tempfile
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -64,66 +66,76 @@ class Snapshots:
         self._spilled: dict[str, _Spilled] = {}
         self._names = itertools.count()
         self._spill_dir = spill_dir
+        self._lock = threading.RLock()
         if spill_dir is not None and max_loaded is not None:
             spill_dir.mkdir(parents=True, exist_ok=True)
             for stale in spill_dir.glob(f"*{SNAPSHOT_SUFFIX}*"):
                 stale.unlink(missing_ok=True)
 
     def __contains__(self, snapshot_id: object) -> bool:
-        return snapshot_id in self._loaded or snapshot_id in self._spilled
+        with self._lock:
+            return snapshot_id in self._loaded or snapshot_id in self._spilled
 
     def counts(self) -> tuple[int, int]:
-        """(snapshots in memory, snapshots paged out to disk); safe without the engine's lock."""
-        return len(self._loaded), len(self._spilled)
+        """(snapshots in memory, snapshots paged out to disk)."""
+        with self._lock:
+            return len(self._loaded), len(self._spilled)
 
     def spilled(self) -> dict[str, Path]:
         """The snapshots paged out to disk, each with its file."""
-        return {snapshot_id: s.path for snapshot_id, s in self._spilled.items()}
+        with self._lock:
+            return {snapshot_id: s.path for snapshot_id, s in self._spilled.items()}
 
     def put(self, snapshot_id: str, snapshot: Snapshot) -> None:
         """Keep `snapshot` under `snapshot_id` (replacing any), as the most recently used."""
-        self.drop(snapshot_id)
-        self._loaded[snapshot_id] = snapshot
-        self._make_room(keep=snapshot_id)
+        with self._lock:
+            self.drop(snapshot_id)
+            self._loaded[snapshot_id] = snapshot
+            self._make_room(keep=snapshot_id)
 
     def get(self, snapshot_id: str) -> Snapshot | None:
         """The snapshot (read back from disk if it was paged out), marked most recently used;
         None if there is none of that id. UnavailableError, forgetting it, if its file cannot be
         read back."""
-        if snapshot_id in self._spilled:
-            spilled = self._spilled.pop(snapshot_id)
-            try:  # gone either way: what cannot be read back is rebuilt from the log next time
-                weights = _read(spilled.path, snapshot_id, self.device)
-            finally:
-                spilled.path.unlink(missing_ok=True)
-            self._loaded[snapshot_id] = Snapshot(spilled.adapter_id, spilled.base_model, weights)
-            self._make_room(keep=snapshot_id)
-        snapshot = self._loaded.get(snapshot_id)
-        if snapshot is not None:
-            self._loaded.move_to_end(snapshot_id)
-        return snapshot
+        with self._lock:
+            if snapshot_id in self._spilled:
+                spilled = self._spilled.pop(snapshot_id)
+                try:  # gone either way: what cannot be read back is rebuilt from the log
+                    weights = _read(spilled.path, snapshot_id, self.device)
+                finally:
+                    spilled.path.unlink(missing_ok=True)
+                snap = Snapshot(spilled.adapter_id, spilled.base_model, weights)
+                self._loaded[snapshot_id] = snap
+                self._make_room(keep=snapshot_id)
+            snapshot = self._loaded.get(snapshot_id)
+            if snapshot is not None:
+                self._loaded.move_to_end(snapshot_id)
+            return snapshot
 
     def adapter_of(self, snapshot_id: str) -> str | None:
         """The id of the adapter the snapshot was taken from (None: none, or no such snapshot),
         without reading it back."""
-        if snapshot_id in self._loaded:
-            return self._loaded[snapshot_id].adapter_id
-        spilled = self._spilled.get(snapshot_id)
-        return None if spilled is None else spilled.adapter_id
+        with self._lock:
+            if snapshot_id in self._loaded:
+                return self._loaded[snapshot_id].adapter_id
+            spilled = self._spilled.get(snapshot_id)
+            return None if spilled is None else spilled.adapter_id
 
     def orphan(self, snapshot_id: str) -> None:
         """The snapshot's adapter is gone; the snapshot stays."""
-        if (s := self._loaded.get(snapshot_id)) is not None:
-            self._loaded[snapshot_id] = Snapshot(None, s.base_model, s.weights)
-        elif (p := self._spilled.get(snapshot_id)) is not None:
-            self._spilled[snapshot_id] = _Spilled(None, p.base_model, p.path)
+        with self._lock:
+            if (s := self._loaded.get(snapshot_id)) is not None:
+                self._loaded[snapshot_id] = Snapshot(None, s.base_model, s.weights)
+            elif (p := self._spilled.get(snapshot_id)) is not None:
+                self._spilled[snapshot_id] = _Spilled(None, p.base_model, p.path)
 
     def drop(self, snapshot_id: str) -> None:
         """Forget the snapshot (and delete its file); no-op if there is none of that id."""
-        self._loaded.pop(snapshot_id, None)
-        spilled = self._spilled.pop(snapshot_id, None)
-        if spilled is not None:
-            spilled.path.unlink(missing_ok=True)
+        with self._lock:
+            self._loaded.pop(snapshot_id, None)
+            spilled = self._spilled.pop(snapshot_id, None)
+            if spilled is not None:
+                spilled.path.unlink(missing_ok=True)
 
     def _make_room(self, *, keep: str) -> None:
         """Page out the least recently used snapshots but `keep` beyond the limit."""

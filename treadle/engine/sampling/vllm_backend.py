@@ -3,7 +3,8 @@
 Owns `VllmBackend`: the `VllmServer` of the base model, the snapshots it has been handed (each
 written as the peft folder Treadle writes for checkpoints and loaded under a name made from its
 weights' digest, so a name never serves other weights: vLLM keeps serving the old weights of a
-name loaded again with new files; unloaded when the snapshot is released), and `run`, which
+name loaded again with new files; unloaded when the snapshot is released and no job in flight
+uses it: snapshots are released by training calls that run beside samples), and `run`, which
 sends one job's requests and, when the server died under them, starts it again and sends them
 again (the seed is fixed when the job joins, so the answer is the same). Must not import flask,
 sqlalchemy, celery or treadle.api.
@@ -15,6 +16,7 @@ import contextlib
 import hashlib
 import shutil
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,6 +63,8 @@ class VllmBackend:
         self._lock = threading.Lock()
         self._names: dict[str, tuple[int, str]] = {}  # snapshot -> (id of its weights, name)
         self._loaded: set[str] = set()  # names loaded into the server of start `_generation`
+        self._using: Counter[str] = Counter()  # name -> jobs handed it and not yet done
+        self._released: set[str] = set()  # names whose snapshots went while jobs used them
         self._generation = -1
         # vLLM (0.32) fails its engine when a step computes prompt logprobs beside any other
         # sequence with LoRA enabled (its LoRA output head indexes the step's samples, not the
@@ -70,54 +74,77 @@ class VllmBackend:
 
     def adapter(self, snapshot_id: str, weights: LoraWeights) -> str:
         """The name the snapshot's weights (or another adapter's, by an id of its own) are
-        served under, their folder written if new."""
+        served under, their folder written if new, held for one job: `run` it with this name
+        (which lets it go when done)."""
         with self._lock:
-            known = self._names.get(snapshot_id)
-            if known is not None and known[0] == id(weights):
-                return known[1]
-            name = "snap-" + _digest(weights)
-            folder = self._adapter_dir / name
-            if not (folder / "adapter_config.json").is_file():
-                rank = next(iter(weights.A.values())).shape[0]
-                spec = LoraSpec(rank=rank, alpha=weights.scale * rank)
-                write_adapter(folder, self.base_model, spec, weights, None)
-            self._names[snapshot_id] = (id(weights), name)
+            name = self._name(snapshot_id, weights)
+            self._using[name] += 1
+            self._released.discard(name)
             return name
+
+    def _name(self, snapshot_id: str, weights: LoraWeights) -> str:
+        known = self._names.get(snapshot_id)
+        if known is not None and known[0] == id(weights):
+            return known[1]
+        name = "snap-" + _digest(weights)
+        folder = self._adapter_dir / name
+        if not (folder / "adapter_config.json").is_file():
+            rank = next(iter(weights.A.values())).shape[0]
+            spec = LoraSpec(rank=rank, alpha=weights.scale * rank)
+            write_adapter(folder, self.base_model, spec, weights, None)
+        self._names[snapshot_id] = (id(weights), name)
+        return name
 
     def release(self, snapshot_id: str) -> None:
         """Unload a released snapshot's adapter and delete its folder (unless another
-        snapshot has the same weights)."""
+        snapshot has the same weights), at once or, while jobs use it, when the last is
+        done."""
         with self._lock:
             known = self._names.pop(snapshot_id, None)
             if known is None or any(n == known[1] for _, n in self._names.values()):
                 return
-            name = known[1]
-            if name in self._loaded and self._generation == self.server.starts:
-                # a server that does not answer is started afresh, without it
-                with contextlib.suppress(httpx.HTTPError):
-                    httpx.post(
-                        f"{self.server.url}/v1/unload_lora_adapter",
-                        json={"lora_name": name},
-                        timeout=60.0,
-                    )
-            self._loaded.discard(name)
-            shutil.rmtree(self._adapter_dir / name, ignore_errors=True)
+            if self._using[known[1]]:
+                self._released.add(known[1])
+            else:
+                self._unload(known[1])
+
+    def _unload(self, name: str) -> None:
+        if name in self._loaded and self._generation == self.server.starts:
+            # a server that does not answer is started afresh, without it
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(
+                    f"{self.server.url}/v1/unload_lora_adapter",
+                    json={"lora_name": name},
+                    timeout=60.0,
+                )
+        self._loaded.discard(name)
+        shutil.rmtree(self._adapter_dir / name, ignore_errors=True)
 
     def run(self, job: SampleJob, adapter: str, seed: int) -> SampleResult:
-        """The job's result, from the server (started again if it died, and the job resent)."""
-        for attempt in range(_ATTEMPTS):
-            url = self.server.ensure()
-            seen = self.server.starts
-            try:
-                return self._run_once(url, job, adapter, seed)
-            except _ServerFailed as exc:
-                if attempt == _ATTEMPTS - 1:
-                    raise UnavailableError(
-                        f"the vLLM server failed {_ATTEMPTS} times under this sample ({exc}); "
-                        "retry it"
-                    ) from exc
-                self.server.recover(seen)
-        raise AssertionError("unreachable")
+        """The job's result, from the server (started again if it died, and the job resent),
+        sampled with `adapter` (a name `adapter` gave, let go once done)."""
+        try:
+            for attempt in range(_ATTEMPTS):
+                url = self.server.ensure()
+                seen = self.server.starts
+                try:
+                    return self._run_once(url, job, adapter, seed)
+                except _ServerFailed as exc:
+                    if attempt == _ATTEMPTS - 1:
+                        raise UnavailableError(
+                            f"the vLLM server failed {_ATTEMPTS} times under this sample "
+                            f"({exc}); retry it"
+                        ) from exc
+                    self.server.recover(seen)
+            raise AssertionError("unreachable")
+        finally:
+            with self._lock:
+                self._using[adapter] -= 1
+                if not self._using[adapter]:
+                    del self._using[adapter]
+                    if adapter in self._released:
+                        self._released.discard(adapter)
+                        self._unload(adapter)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -4,9 +4,10 @@ Owns `VllmSettings` (which Python runs vLLM, or the URL of a server someone else
 LoRA limits) and `VllmServer`: vLLM's own OpenAI-compatible server
 (`vllm.entrypoints.openai.api_server`) started from its own environment (`make vllm` builds it:
 its pins do not fit Treadle's), serving the base model's folder with runtime LoRA loading, and
-started again when it has died (`ensure`). Its logprobs are vLLM's "processed" ones: after the
-temperature (and top-k/top-p), as Treadle's sampler reports them before truncation. Must not
-import flask, sqlalchemy, celery or treadle.api.
+started again when it has died (`ensure`), and ending with the worker, however the worker ends
+(`child_process`). Its logprobs are vLLM's "processed" ones: after the temperature (and
+top-k/top-p), as Treadle's sampler reports them before truncation. Must not import flask,
+sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from treadle.platform.child_process import ending_with_parent
 from treadle.platform.errors import UnavailableError
 
 __all__ = ["VllmServer", "VllmSettings"]
@@ -69,6 +71,7 @@ class VllmServer:
         self._max_model_len = max_model_len
         self._log_path = log_path
         self._process: subprocess.Popen[bytes] | None = None
+        self._closed = False  # after `close`: never started again (a request in flight fails)
         self._lock = threading.Lock()
         self.url = settings.url.rstrip("/")
         self.starts = 0  # servers started, or found answering again (each without adapters)
@@ -82,6 +85,7 @@ class VllmServer:
         """The server's URL, starting it first if it is not running (or has died). A server
         run elsewhere is only waited for."""
         with self._lock:
+            self._refuse_closed()
             if self.settings.url:
                 self._wait_healthy(None)
                 return self.url
@@ -94,6 +98,7 @@ class VllmServer:
         is still that one and does not answer (the threads that saw it fail together restart
         it once); a server run elsewhere is waited for."""
         with self._lock:
+            self._refuse_closed()
             if self.starts != seen_starts or self.healthy():
                 return
             if self.settings.url:
@@ -109,8 +114,9 @@ class VllmServer:
             return False
 
     def close(self) -> None:
-        """Stop the process this object started (its engine processes too)."""
+        """Stop the process this object started (its engine processes too), for good."""
         with self._lock:
+            self._closed = True
             if self._process is not None and self._process.poll() is None:
                 os.killpg(self._process.pid, signal.SIGTERM)
                 try:
@@ -119,6 +125,10 @@ class VllmServer:
                     os.killpg(self._process.pid, signal.SIGKILL)
                     self._process.wait()
             self._process = None
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise UnavailableError("the worker is shutting down its vLLM server; retry the sample")
 
     def _start(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -164,8 +174,14 @@ class VllmServer:
         env.pop("PYTHONPATH", None)  # vLLM's environment, not Treadle's
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "ab") as log:
+            # started by a thread of the backend's pool (or the sampling thread), which lives
+            # as long as the worker's engine
             self._process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                ending_with_parent(command, python=s.python),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
             )
         self.starts += 1
         self._wait_healthy(self._process)
