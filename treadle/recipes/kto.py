@@ -17,6 +17,7 @@ label's mean implicit reward (beta r) and the reward margin (desirable minus und
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,9 +134,9 @@ def make_loss_fn(
         ).double()
         loss, logratio_B = kto_loss(policy_B, reference_B, is_desirable_B, z, config)
         found = label_metrics(logratio_B, is_desirable_B, config.beta)
-        return loss, {"kto_loss:mean": float(loss.detach()), **{
+        return loss, {"kto_loss:mean": float(loss.detach())} | {
             f"{k}:mean": v for k, v in found.items()
-        }}  # fmt: skip
+        }
 
     return loss_fn
 
@@ -273,10 +274,10 @@ _TRAIN_METRICS = (
 
 
 def _positive(text: str) -> float:
-    """An argparse type: a number above 0."""
+    """An argparse type: a finite number above 0."""
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
     return value
 
 

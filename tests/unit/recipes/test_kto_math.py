@@ -4,6 +4,7 @@ et al. 2024, eq. 7, as TRL's KTOTrainer computes it), and its generated feedback
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from treadle.recipes.kto import (
     kl_estimate,
     kto_loss,
     label_metrics,
+    main,
     make_loss_fn,
     mismatched,
 )
@@ -163,3 +165,26 @@ def test_a_split_does_not_change_with_the_others_size() -> None:
     assert kto_data.split(30, 20, seed=1)[0] == train
     assert kto_data.split(200, 4, seed=1)[1] == held_out
     assert kto_data.split(30, 4, seed=2) != (train, held_out)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "reason"),
+    [
+        ("--beta", "0", "must be a finite number above 0, not 0"),
+        ("--desirable-weight", "-1", "must be a finite number above 0, not -1"),
+        ("--undesirable-weight", "inf", "must be a finite number above 0, not inf"),
+        ("--batch-size", "1", "must be 2 or more, not 1"),
+        ("--train-size", "1", "must be 2 or more, not 1"),
+        ("--eval-size", "0", "must be 2 or more, not 0"),
+    ],
+)
+def test_a_bad_flag_is_a_usage_error_before_the_run_folder_is_made(
+    flag: str, value: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log_dir = tmp_path / "run"
+    argv = ["--base-url", "http://127.0.0.1:9", "--api-key", "tml-x", "--log-dir", str(log_dir)]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}: {reason}" in capsys.readouterr().err
+    assert not log_dir.exists()
