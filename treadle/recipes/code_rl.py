@@ -51,6 +51,13 @@ def problem_sets(name: str) -> tuple[list[Problem], list[Problem]]:
     return code_problems.TRAIN, code_problems.HELD_OUT
 
 
+def problem_at(train: list[Problem], args: Any, index: int) -> Problem:
+    """Work item `index`'s problem: the data order is batch_at's, --batch-size a step."""
+    return batch_at(train, args.batch_size, args.seed, index // args.batch_size)[
+        index % args.batch_size
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = options.parser(
         "code_rl", __doc__.splitlines()[0], steps=12, learning_rate=5e-4, save_every=4, eval_every=4
@@ -100,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def play(work: Work, sampler: Any) -> Group:
             """One group: --group-size episodes of the work's problem."""
-            problem = batch_at(train, args.batch_size, args.seed, work.index // args.batch_size)[
-                work.index % args.batch_size
-            ]
+            problem = problem_at(train, args, work.index)
             envs = [CodeEnv(problem, tokenizer, sandbox, max_turns=args.max_turns)
                     for _ in range(args.group_size)]  # fmt: skip
             return run_group(envs, sampler, tokenizer, max_tokens=args.max_tokens,
