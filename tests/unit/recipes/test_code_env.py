@@ -127,3 +127,21 @@ def test_a_sandbox_that_fails_is_reported_to_the_model(tok: Any) -> None:
         "check_solution could not run the tests: ConnectionError: sandbox service at "
         "http://sandbox:8080 refused the connection"
     ]
+
+
+def test_a_turn_the_next_prompt_does_not_extend_trains_as_a_datum_of_its_own(tok: Any) -> None:
+    """A first reply whose tokens are not the ones the template renders for its text (sampled
+    one character a token, which decodes to the same text) cannot be joined with the second
+    prompt: each turn is a datum of its own, on the prompt the model actually saw."""
+    env = CodeEnv(ADD, tok, LocalSandbox())
+    text = f"{WRONG}\n{CALL}"
+    tokens = [t for ch in text for t in tok.encode(ch, add_special_tokens=False)]
+    tokens.append(tok.eos_token_id)
+    assert tok.decode(tokens, skip_special_tokens=True) == text
+    cut = Action(tokens, [-0.5] * len(tokens), text, "stop")
+    episode = play(env, [cut, sampled(tok, RIGHT)])
+    first, second = sequences(episode)
+    assert first.tokens == [*episode.turns[0].observation, *cut.tokens]
+    assert second.tokens[: len(episode.turns[1].observation)] == episode.turns[1].observation
+    assert [sum(s.mask) for s in (first, second)] == [len(t.action.tokens) for t in episode.turns]
+    assert len(episode_datums(episode, 1.0)) == 2
