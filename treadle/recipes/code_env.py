@@ -23,9 +23,10 @@ from treadle.recipes.common.envs import Action, Outcome
 from treadle.recipes.sandbox import Sandbox
 
 TOOL_SYSTEM = (
-    "You are a Python programmer. Write the complete function in one ```python code block. You "
-    "may test it first: after the code block, call check_solution, read the test results, then "
-    "reply with your final code block."
+    "You are a Python programmer. Write the complete function in one ```python code block, then "
+    "check it by writing exactly this line after the code block:\n"
+    '<tool_call>{"name": "check_solution", "arguments": {}}</tool_call>\n'
+    "After the test results, reply with your final code block."
 )
 CHECK_SOLUTION = {
     "type": "function",
