@@ -4,7 +4,7 @@ The model sees the problem with the tool offered, rendered in its own chat forma
 (treadle.client.tool_calls.render). On the first turn it may call `check_solution`: the
 candidate (the call's `code` argument, or else the reply's ```python block) runs against the
 problem's visible tests in the sandbox, and the results come back as the tool's message; the
-model then has a second, final turn. A reply without a tool call is final at once. The final
+model then has a second, final turn. One worked exchange (EXAMPLE) precedes the problem. A reply without a tool call is final at once. The final
 reply is graded on the hidden tests: 1 when all pass, 0 otherwise, -0.1 when it has no code block
 (code_problems.reward). A tool call the parser cannot read ends the episode as a failed turn
 scored -0.1; a candidate that times out, crashes or is refused is the tool's answer, never an
@@ -24,10 +24,21 @@ from treadle.recipes.sandbox import Sandbox
 
 TOOL_SYSTEM = (
     "You are a Python programmer. Write the complete function in one ```python code block, then "
-    "check it by writing exactly this line after the code block:\n"
-    '<tool_call>{"name": "check_solution", "arguments": {}}</tool_call>\n'
-    "After the test results, reply with your final code block."
+    "call check_solution to test it. After the test results, reply with your final code block."
 )
+# One worked exchange before the problem, in the same rendered format: a first reply with a bug
+# and a call, the tool's result, the fixed final reply. A model as small as SmolLM2-135M copies
+# a shown exchange; told the format alone, it wrote no call in 16 of 16 samples.
+EXAMPLE_CALL = {"id": "call_example", "type": "function",
+                "function": {"name": "check_solution", "arguments": {}}}  # fmt: skip
+EXAMPLE = [
+    {"role": "user", "content": "Write a Python function `triple(n)` that returns n times three."},
+    {"role": "assistant", "content": "```python\ndef triple(n):\n    return n + 3\n```",
+     "tool_calls": [EXAMPLE_CALL]},
+    {"role": "tool", "tool_call_id": "call_example",
+     "content": "Visible tests: failed (tests: AssertionError ).\nassert triple(2) == 6"},
+    {"role": "assistant", "content": "```python\ndef triple(n):\n    return n * 3\n```"},
+]  # fmt: skip
 CHECK_SOLUTION = {
     "type": "function",
     "function": {
@@ -62,6 +73,7 @@ class CodeEnv:
         system = TOOL_SYSTEM if self.tools else SYSTEM
         self.messages: list[dict[str, Any]] = [
             {"role": "system", "content": system},
+            *(EXAMPLE if self.tools else []),
             {"role": "user", "content": problem.prompt},
         ]
 

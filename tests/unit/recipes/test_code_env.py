@@ -75,6 +75,10 @@ def test_a_two_turn_episode_trains_only_the_models_own_tokens(tok: Any) -> None:
     episode = play(env, [sampled(tok, f"{WRONG}\n{CALL}"), sampled(tok, RIGHT)])
     conversation = [*env.messages, {"role": "assistant", "content": RIGHT}]
     tokens, weights = assistant_weights(tok, conversation, [CHECK_SOLUTION])
+    # The worked example's assistant turns precede the episode's prompt: not the model's own.
+    start = len(episode.turns[0].observation)
+    assert weights[:start] != [0.0] * start
+    weights[:start] = [0.0] * start
     (seq,) = sequences(episode)  # the second prompt extends the first turn: one sequence
     n = len(seq.tokens)
     assert seq.tokens == tokens[:n] and seq.mask == weights[:n]
