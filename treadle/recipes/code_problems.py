@@ -146,9 +146,7 @@ def extract_code(reply: str) -> str | None:
     return match.group(1) if match else None
 
 
-def reward(
-    problem: Problem, reply: str, sandbox: Sandbox = LOCAL
-) -> tuple[float, Result | None]:
+def reward(problem: Problem, reply: str, sandbox: Sandbox = LOCAL) -> tuple[float, Result | None]:
     """1.0 if the reply's code passes all of the problem's hidden tests, 0.0 if not, -0.1 without
     a code block (then no sandbox run, and None in place of its result)."""
     code = extract_code(reply)
