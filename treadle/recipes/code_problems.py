@@ -3,8 +3,10 @@
 Forty one-line functions ("return the sum of a list", "reverse a string", "is n even"), each with
 a one-sentence task and 3-5 assert-based tests, easy enough that SmolLM2-135M-Instruct solves
 some of them before training. A fixed split: 30 to train on, 10 held out (tasks of the same kind,
-never trained on). The reward: 1 if every test passes in the sandbox, 0 if any fails, -0.1 if
-the reply holds no ```python code block at all.
+never trained on). Each problem's first test is its visible test (what code_rl's check_solution
+tool runs); all of its tests, the visible one included, are the hidden tests that decide the
+reward: 1 if every test passes in the sandbox, 0 if any fails, -0.1 if the reply holds no
+```python code block at all. HumanEval's problems (treadle.recipes.humaneval) are Problems too.
 """
 
 from __future__ import annotations
@@ -12,33 +14,33 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from treadle.recipes.sandbox import Limits, Result, run
+from treadle.recipes.sandbox import LocalSandbox, Result, Sandbox
 
 SYSTEM = (
     "You are a Python programmer. Reply with the complete function in one ```python code block "
     "and nothing else."
 )
 NO_CODE_REWARD = -0.1
-DEFAULT_LIMITS = Limits()
+LOCAL = LocalSandbox()
 
 
 @dataclass(frozen=True)
 class Problem:
     name: str  # the function the tests call
-    signature: str
-    task: str  # what it returns, completing "Write a Python function `f(x)` that ..."
-    tests: str  # assert statements
+    prompt: str  # the user's message: what to write
+    tests: str  # the hidden tests: all of them; they decide the reward
+    visible_tests: str  # the tests check_solution runs and shows the model
+    preamble: str = ""  # code run before the reply's (the imports a HumanEval prompt starts with)
 
     @property
     def messages(self) -> list[dict[str, str]]:
-        prompt = f"Write a Python function `{self.signature}` that {self.task}"
-        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": self.prompt}]
 
 
 def _p(signature: str, task: str, *asserts: str) -> Problem:
-    return Problem(
-        signature.split("(")[0], signature, task, "".join(f"assert {a}\n" for a in asserts)
-    )
+    tests = [f"assert {a}\n" for a in asserts]
+    prompt = f"Write a Python function `{signature}` that {task}"
+    return Problem(signature.split("(")[0], prompt, "".join(tests), tests[0])
 
 
 PROBLEMS = [
@@ -144,13 +146,11 @@ def extract_code(reply: str) -> str | None:
     return match.group(1) if match else None
 
 
-def reward(
-    problem: Problem, reply: str, limits: Limits = DEFAULT_LIMITS
-) -> tuple[float, Result | None]:
-    """1.0 if the reply's code passes all of the problem's tests, 0.0 if not, -0.1 without a code
-    block (then no sandbox run, and None in place of its result)."""
+def reward(problem: Problem, reply: str, sandbox: Sandbox = LOCAL) -> tuple[float, Result | None]:
+    """1.0 if the reply's code passes all of the problem's hidden tests, 0.0 if not, -0.1 without
+    a code block (then no sandbox run, and None in place of its result)."""
     code = extract_code(reply)
     if code is None:
         return NO_CODE_REWARD, None
-    result = run(code, problem.tests, limits)
+    result = sandbox.run(problem.preamble + code, problem.tests)
     return (1.0 if result.passed else 0.0), result

@@ -1,17 +1,20 @@
-"""code_rl: RL on small Python problems, each reply's function run against unit tests in a sandbox.
+"""code_rl: RL on Python problems in two turns, with a `check_solution` tool run in a sandbox.
 
-The model writes a function and a local sandbox (treadle.recipes.sandbox) runs its unit tests.
-Sampling and training overlap, with a limit on how stale the sampling weights may be.
+Each problem is an environment (treadle.recipes.code_env): the model may call `check_solution`,
+which runs its candidate against the problem's visible tests in a local sandbox
+(treadle.recipes.sandbox) and returns the results; it then gives its final answer, graded on
+the hidden tests: 1 if all pass, 0 if not, -0.1 without a code block. Tool calls and results are
+rendered in the model's own chat format (treadle.client.tool_calls).
 
-Each step takes --batch-size problems (code_problems.TRAIN), samples --group-size replies to each,
-and scores every reply in the sandbox: 1 if the tests pass, 0 if not, -0.1 without a code block.
-Advantages are centred within each problem's group, and the `importance_sampling` (or `ppo`)
-loss, which corrects for the sampler's own logprobs, trains on the replies that differ from their
-group. A background thread samples the next batches while the trainer trains: batch n may start
-once weights from step n - --max-steps-off-policy exist, and uses the newest there are, so no
-batch is ever trained on more than that many steps after its weights (the staleness is logged
-per step; 0 means fully on-policy, no overlap). Held-out pass rate (greedy, 10 problems never
-trained on) is measured before training, every --eval-every steps, and after.
+A pool of --num-rollout-workers threads plays groups (--group-size episodes of one problem) on the
+newest published weights while the trainer steps; work for step m may start once weights from
+step m - --max-steps-off-policy exist, and a group that still arrives staler than that is
+requeued or dropped (--stale-policy). Each group's `forward_backward` is sent as soon as the group
+reaches the trainer (gradients add up on the platform until the step's `optim_step`), with the
+`importance_sampling`, `ppo` or `cispo` loss over the sampler's own logprobs. Advantages are
+centred within each group and carried by the model's own tokens only. Held-out pass rate (greedy
+episodes of problems never trained on) is measured before training, every --eval-every steps,
+and after.
 
     python -m treadle.recipes.code_rl --embedded        # or --base-url/--api-key, --client tinker
 """
@@ -19,258 +22,236 @@ trained on) is measured before training, every --eval-every steps, and after.
 from __future__ import annotations
 
 import json
-import queue
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tinker import types
 
-from treadle.recipes.code_problems import HELD_OUT, TRAIN, Problem, reward
+from treadle.recipes import code_problems, humaneval
+from treadle.recipes.code_env import CodeEnv
+from treadle.recipes.code_problems import Problem
 from treadle.recipes.common import metrics, options
-from treadle.recipes.common.advantages import group_centred
 from treadle.recipes.common.batching import batch_at, step_seed
-from treadle.recipes.common.chat import completion_text, datum, prompt_tokens
 from treadle.recipes.common.connect import current_sampler, service
-from treadle.recipes.common.evaluate import greedy_score, sample_all
+from treadle.recipes.common.envs import Episode, episode_datums, group_advantages, run_group
+from treadle.recipes.common.rollouts import Rollout, RolloutPool, StalePolicy, Work
 from treadle.recipes.common.runs import open_run
-from treadle.recipes.sandbox import Limits
+from treadle.recipes.sandbox import Limits, LocalSandbox
+
+Group = list[Episode]
 
 
-@dataclass(frozen=True)
-class Reply:
-    tokens: list[int]
-    logprobs: list[float]
-    text: str
-    reward: float
-    outcome: str  # the sandbox's outcome, or "no code"
+def problem_sets(name: str) -> tuple[list[Problem], list[Problem]]:
+    """(train, held_out) of --problems."""
+    if name == "humaneval":
+        return humaneval.problems()
+    return code_problems.TRAIN, code_problems.HELD_OUT
 
 
-@dataclass(frozen=True)
-class Batch:
-    step: int  # the optimizer step it is for: its problems are batch_at(TRAIN, ..., step)
-    sampler_step: int  # optimizer steps the weights that sampled it had taken
-    groups: list[tuple[Problem, list[int], list[Reply]]]  # problem, prompt tokens, its replies
-    seconds: float  # sampling and scoring
-
-
-class Samplers:
-    """The newest sampling client and the step of its weights. The sampling thread waits here
-    until weights recent enough for the batch it is about to sample have been published."""
-
-    def __init__(self, client: Any, step: int) -> None:
-        self._latest = (client, step)
-        self._changed = threading.Condition()
-        self.closed = False
-
-    def publish(self, client: Any, step: int) -> None:
-        with self._changed:
-            self._latest = (client, step)
-            self._changed.notify_all()
-
-    def latest(self) -> tuple[Any, int]:
-        with self._changed:
-            return self._latest
-
-    def at_least(self, step: int) -> tuple[Any, int] | None:
-        """The newest client once its step is >= `step`; None once closed."""
-        with self._changed:
-            self._changed.wait_for(lambda: self.closed or self._latest[1] >= step)
-            return None if self.closed else self._latest
-
-    def close(self) -> None:
-        with self._changed:
-            self.closed = True
-            self._changed.notify_all()
-
-
-class Prefetcher:
-    """Samples batches start..end-1 in order on a thread of its own; `get()` hands them over."""
-
-    def __init__(
-        self, samplers: Samplers, sample: Callable[[Any, int, int], Batch], start: int,
-        end: int, max_steps_off_policy: int,
-    ) -> None:  # fmt: skip
-        self._batches: queue.Queue[Batch | BaseException] = queue.Queue()
-        self._samplers, self._sample = samplers, sample
-        self._thread = threading.Thread(
-            target=self._run, args=(start, end, max_steps_off_policy), daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, start: int, end: int, max_off: int) -> None:
-        try:
-            for step in range(start, end):
-                newest = self._samplers.at_least(step - max_off)
-                if newest is None:
-                    return
-                self._batches.put(self._sample(newest[0], newest[1], step))
-        except BaseException as e:  # handed to the trainer, which raises it
-            self._batches.put(e)
-
-    def get(self) -> Batch:
-        batch = self._batches.get()
-        if isinstance(batch, BaseException):
-            raise batch
-        return batch
-
-    def close(self) -> None:
-        self._samplers.close()
-        self._thread.join()
+def problem_at(train: list[Problem], args: Any, index: int) -> Problem:
+    """Work item `index`'s problem: the data order is batch_at's, --batch-size a step."""
+    return batch_at(train, args.batch_size, args.seed, index // args.batch_size)[
+        index % args.batch_size
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = options.parser(
         "code_rl", __doc__.splitlines()[0], steps=12, learning_rate=5e-4, save_every=4, eval_every=4
     )
-    p.add_argument("--batch-size", type=int, default=4, help="problems per step")
-    p.add_argument("--group-size", type=int, default=4, help="replies sampled per problem")
-    p.add_argument("--max-tokens", type=int, default=64, help="reply length")
+    p.add_argument(
+        "--problems", choices=["easy", "humaneval"], default="easy",
+        help="easy: 40 one-line functions (30 train, 10 held out), the CPU demonstration; "
+        "humaneval: the 164 HumanEval problems (131 train, 33 held out)",
+    )  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=4, help="groups (problems) per step")
+    p.add_argument("--group-size", type=int, default=4, help="episodes played per problem")
+    p.add_argument(
+        "--max-turns", type=int, choices=[1, 2], default=2,
+        help="2: the model may call check_solution and revise; 1: one reply, no tool",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=96, help="length of each reply")
     p.add_argument("--temperature", type=float, default=1.0, help="of the training samples")
     p.add_argument(
-        "--loss", choices=["importance_sampling", "ppo"], default="importance_sampling",
-        help="both weigh each token by its probability ratio to the sampler's, which corrects "
-        "for stale batches; ppo also clips that ratio",
+        "--loss", choices=["importance_sampling", "ppo", "cispo"], default="importance_sampling",
+        help="all weigh each token by its probability ratio to the sampler's, which corrects "
+        "for stale groups; ppo clips that ratio, cispo clips it as a stop-gradient weight",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-rollout-workers", type=int, default=2,
+        help="threads playing groups while the trainer steps (each runs its own sandboxes)",
     )  # fmt: skip
     p.add_argument(
         "--max-steps-off-policy", type=options.non_negative, default=1,
-        help="train on a batch at most N optimizer steps after the weights that sampled it "
-        "(0: sample each batch after the previous step, no overlap)",
+        help="train on a group at most N optimizer steps after the weights that played it "
+        "(0: every group played on the weights it trains)",
     )  # fmt: skip
-    p.add_argument("--sandbox-workers", type=int, default=2, help="sandboxes run at once")
-    p.add_argument("--cpu-seconds", type=int, default=2, help="sandbox CPU limit per reply")
+    p.add_argument(
+        "--stale-policy", choices=[s.value for s in StalePolicy], default="requeue",
+        help="a group that arrives staler than --max-steps-off-policy: play it again on the "
+        "newest weights (requeue) or discard it for the next problem (drop)",
+    )  # fmt: skip
+    p.add_argument("--cpu-seconds", type=int, default=2, help="sandbox CPU limit per run")
     p.add_argument("--wall-seconds", type=float, default=5.0, help="sandbox wall-clock limit")
     args, run = open_run(p, argv)
-    limits = Limits(cpu_seconds=args.cpu_seconds, wall_seconds=args.wall_seconds)
-    pool = ThreadPoolExecutor(max_workers=args.sandbox_workers)
+    if args.num_rollout_workers < 1:
+        p.error(f"--num-rollout-workers must be at least 1, not {args.num_rollout_workers}")
+    train, held_out = problem_sets(args.problems)
+    sandbox = LocalSandbox(Limits(cpu_seconds=args.cpu_seconds, wall_seconds=args.wall_seconds))
     with service(args) as svc:
         tc = run.training_client(svc, args)
         tokenizer = tc.get_tokenizer()
-        prompts = {pr.name: prompt_tokens(tokenizer, pr.messages) for pr in TRAIN + HELD_OUT}
 
-        def score(problem: Problem, text: str) -> tuple[float, str]:
-            value, result = reward(problem, text, limits)
-            return value, (result.outcome if result else "no code")
-
-        def sample(sampler: Any, sampler_step: int, step: int) -> Batch:
-            started = time.monotonic()
-            problems = batch_at(TRAIN, args.batch_size, args.seed, step)
-            responses = sample_all(
-                sampler, [prompts[pr.name] for pr in problems], num_samples=args.group_size,
-                max_tokens=args.max_tokens, temperature=args.temperature,
-                seeds=[step_seed(args.seed, step, i) for i in range(len(problems))],
-            )  # fmt: skip
-            groups = []
-            for problem, response in zip(problems, responses, strict=True):
-                texts = [completion_text(tokenizer, s.tokens) for s in response.sequences]
-                scores = list(pool.map(lambda t, pr=problem: score(pr, t), texts))
-                replies = [Reply(list(s.tokens), list(s.logprobs), t, r, o) for s, t, (r, o)
-                           in zip(response.sequences, texts, scores, strict=True)]  # fmt: skip
-                groups.append((problem, prompts[problem.name], replies))
-            return Batch(step, sampler_step, groups, time.monotonic() - started)
+        def play(work: Work, sampler: Any) -> Group:
+            """One group: --group-size episodes of the work's problem."""
+            problem = problem_at(train, args, work.index)
+            envs = [CodeEnv(problem, tokenizer, sandbox, max_turns=args.max_turns)
+                    for _ in range(args.group_size)]  # fmt: skip
+            return run_group(envs, sampler, tokenizer, max_tokens=args.max_tokens,
+                             temperature=args.temperature,
+                             seed=step_seed(args.seed, work.index, work.attempt))  # fmt: skip
 
         def evaluate(step: int) -> float:
-            sampler, _ = samplers.latest()
-            rate, replies = greedy_score(
-                sampler, tokenizer, [prompts[pr.name] for pr in HELD_OUT],
-                lambda i, text: float(score(HELD_OUT[i], text)[0] == 1.0),
-                max_tokens=args.max_tokens,
-            )  # fmt: skip
-            log.record(step, eval_pass_rate=rate, eval_sample=replies[0])
+            sampler, _ = pool.latest()
+            with ThreadPoolExecutor(max_workers=4) as threads:
+                played = list(threads.map(
+                    lambda pr: run_group([CodeEnv(pr, tokenizer, sandbox, max_turns=args.max_turns)],
+                                         sampler, tokenizer, max_tokens=args.max_tokens,
+                                         temperature=0.0, seed=0)[0],
+                    held_out,
+                ))  # fmt: skip
+            rate = sum(e.final.info.get("outcome") == "passed" for e in played) / len(played)
+            called = sum(len(e.turns) > 1 for e in played) / len(played)
+            log.record(step, eval_pass_rate=rate, eval_tool_call_rate=called,
+                       eval_sample=json.dumps(episode_record(held_out[0], played[0])))  # fmt: skip
             return rate
 
         log = run.metrics_log(
-            args, shown=["reward_mean", "pass_rate", "staleness", "eval_pass_rate"]
+            args, shown=["reward_mean", "pass_rate", "tool_call_rate", "eval_pass_rate"]
         )
-        samplers = Samplers(current_sampler(tc), run.start_step)
-        if not run.resumed_from:  # a resumed run's file already holds it
-            evaluate(0)
-        prefetch = Prefetcher(samplers, sample, run.start_step, args.steps,
-                              args.max_steps_off_policy)  # fmt: skip
+        pool: RolloutPool[Group] = RolloutPool(
+            play, current_sampler(tc), num_workers=args.num_rollout_workers,
+            batch_size=args.batch_size, start_step=run.start_step,
+            max_steps_off_policy=args.max_steps_off_policy,
+            stale_policy=StalePolicy(args.stale_policy),
+        )  # fmt: skip
         try:
+            if not run.resumed_from:  # a resumed run's file already holds it
+                evaluate(0)
             for step in range(run.start_step, args.steps):
-                waited = time.monotonic()
-                batch = prefetch.get()
-                waited = time.monotonic() - waited
-                staleness = step - batch.sampler_step
-                assert batch.step == step and 0 <= staleness <= args.max_steps_off_policy
-                trained = time.monotonic()
-                loss, datums = train_step(tc, batch, args.loss, args.learning_rate)
-                samplers.publish(current_sampler(tc), step + 1)
+                started = time.monotonic()
+                rollouts, loss, datums, waited = train_step(tc, pool, step, args)
+                pool.publish(current_sampler(tc), step + 1)
                 done = step + 1
-                write_samples(run.path / "samples", batch)
-                log.record(done, **batch_metrics(batch), loss=loss, datums=datums,
-                           staleness=staleness, sampler_step=batch.sampler_step,
-                           wait_s=round(waited, 3), sample_s=round(batch.seconds, 3),
-                           train_s=round(time.monotonic() - trained, 3))  # fmt: skip
+                write_samples(run.path / "samples", done, train, args, rollouts)
+                oldest = min(r.sampler_step for r in rollouts)
+                log.record(done, **batch_metrics([e for r in rollouts for e in r.result]),
+                           loss=loss, datums=datums, staleness=step - oldest,
+                           sampler_step=oldest, requeued=pool.requeued, dropped=pool.dropped,
+                           wait_s=round(waited, 3),
+                           sample_s=round(max(r.seconds for r in rollouts), 3),
+                           step_s=round(time.monotonic() - started, 3))  # fmt: skip
                 run.step_done(tc, done, args, log, evaluate)
+            evaluate(args.steps)
         finally:
-            prefetch.close()
-            pool.shutdown()
-        evaluate(args.steps)
+            pool.close()
         log.close()
     run.finish(
-        f"code_rl on {args.model}",
-        {"train replies": ["reward_mean", "pass_rate"], "held-out pass rate (greedy)":
-         ["eval_pass_rate"], "staleness (steps)": ["staleness"]},
+        f"code_rl ({args.max_turns} turns, {args.loss}) on {args.model}",
+        {"train episodes": ["reward_mean", "pass_rate", "tool_call_rate"],
+         "held-out pass rate (greedy)": ["eval_pass_rate"], "staleness (steps)": ["staleness"]},
         lambda rows: {
             "held_out_pass_rate_before": metrics.first(rows, "eval_pass_rate"),
             "held_out_pass_rate_after": metrics.last(rows, "eval_pass_rate"),
             "max_staleness": max((r["staleness"] for r in rows if "staleness" in r), default=0),
+            "requeued": metrics.last(rows, "requeued"), "dropped": metrics.last(rows, "dropped"),
         },
     )  # fmt: skip
     return 0
 
 
-def train_step(tc: Any, batch: Batch, loss_fn: str, learning_rate: float) -> tuple[float, int]:
-    """One forward_backward + optim_step on the replies whose advantage is not zero; the loss
-    per trained token, and how many replies were trained on. A batch where every group scored
-    alike still takes its optimizer step (on one reply, with zero advantage) so that steps,
-    checkpoints and the data order stay aligned."""
-    data = []
-    for _, prompt, replies in batch.groups:
-        for reply, adv in zip(replies, group_centred([r.reward for r in replies]), strict=True):
-            if adv != 0.0:
-                data.append(rl_datum(prompt, reply, adv))
-    trained = len(data)
-    if not data:
-        _, prompt, replies = batch.groups[0]
-        data = [rl_datum(prompt, replies[0], 0.0)]
-    tokens = sum(len(d.model_input.to_ints()) for d in data)
-    fb = tc.forward_backward(data, loss_fn=loss_fn)
-    step = tc.optim_step(types.AdamParams(learning_rate=learning_rate))
-    loss = float(fb.result().metrics["loss:sum"]) / max(tokens, 1)
-    step.result()
-    return loss, trained
+def train_step(
+    tc: Any, pool: RolloutPool[Group], step: int, args: Any
+) -> tuple[list[Rollout[Group]], float, int, float]:
+    """One optimizer step on --batch-size groups, each group's forward_backward sent as soon as
+    the pool hands it over (the platform adds the gradients up until optim_step). Groups whose
+    episodes all scored alike carry no signal and are not sent; a step with none still takes its
+    optimizer step (one datum, zero advantage) so steps, checkpoints and data order stay
+    aligned. Returns the groups, the loss per trained token, the datums trained, and the
+    seconds spent waiting for groups."""
+    rollouts, futures, tokens, count, waited = [], [], 0, 0, 0.0
+    for _ in range(args.batch_size):
+        before = time.monotonic()
+        rollout = pool.take(step)
+        waited += time.monotonic() - before
+        rollouts.append(rollout)
+        data = [d for episode, adv in zip(rollout.result, group_advantages(rollout.result),
+                                          strict=True) if adv != 0.0
+                for d in episode_datums(episode, adv)]  # fmt: skip
+        if data:
+            futures.append(tc.forward_backward(data, loss_fn=args.loss))
+            tokens += sum(d.model_input.length for d in data)
+            count += len(data)
+    if not futures:
+        data = episode_datums(rollouts[0].result[0], 0.0)[:1]
+        futures.append(tc.forward_backward(data, loss_fn=args.loss))
+        tokens += sum(d.model_input.length for d in data)
+    optim = tc.optim_step(types.AdamParams(learning_rate=args.learning_rate))
+    loss = sum(float(f.result().metrics["loss:sum"]) for f in futures) / max(tokens, 1)
+    optim.result()
+    return rollouts, loss, count, waited
 
 
-def rl_datum(prompt: Sequence[int], reply: Reply, advantage: float) -> types.Datum:
-    return datum(prompt, reply.tokens, logprobs=reply.logprobs,
-                 advantages=[advantage] * len(reply.tokens))  # fmt: skip
+def batch_metrics(episodes: list[Episode]) -> dict[str, float]:
+    n = len(episodes)
 
+    def share(test: Any) -> float:
+        return round(sum(bool(test(e)) for e in episodes) / n, 4)
 
-def batch_metrics(batch: Batch) -> dict[str, float]:
-    replies = [r for _, _, rs in batch.groups for r in rs]
     return {
-        "reward_mean": round(sum(r.reward for r in replies) / len(replies), 4),
-        "pass_rate": round(sum(r.outcome == "passed" for r in replies) / len(replies), 4),
-        "no_code_rate": round(sum(r.outcome == "no code" for r in replies) / len(replies), 4),
+        "reward_mean": round(sum(e.reward for e in episodes) / n, 4),
+        "pass_rate": share(lambda e: e.final.info.get("outcome") == "passed"),
+        "no_code_rate": share(lambda e: e.final.info.get("outcome") == "no code"),
+        "tool_call_rate": share(lambda e: len(e.turns) > 1),
+        "unreadable_call_rate": share(
+            lambda e: e.final.info.get("outcome") == "unreadable tool call"
+        ),
     }
 
 
-def write_samples(folder: Path, batch: Batch) -> None:
-    """samples/step-000001.jsonl: every reply of the batch, its reward and the sandbox's word."""
+def episode_record(problem: Problem, episode: Episode) -> dict[str, Any]:
+    """An episode for the samples file: each turn's reply, tool calls and tool results."""
+    return {
+        "problem": problem.name,
+        "reward": episode.reward,
+        "outcome": episode.final.info.get("outcome"),
+        "reply": episode.final.action.text,
+        "turns": [{"reply": t.action.text, **t.info} for t in episode.turns],
+    }
+
+
+def write_samples(
+    folder: Path, step: int, train: list[Problem], args: Any, rollouts: list[Rollout[Group]]
+) -> None:
+    """samples/step-000001.jsonl: every episode the step trained on, turn by turn."""
     folder.mkdir(exist_ok=True)
-    with (folder / f"step-{batch.step + 1:06d}.jsonl").open("w") as f:
-        for problem, _, replies in batch.groups:
-            for r in replies:
-                f.write(json.dumps({"problem": problem.name, "reward": r.reward,
-                                    "outcome": r.outcome, "reply": r.text}) + "\n")  # fmt: skip
+    with (folder / f"step-{step:06d}.jsonl").open("w") as f:
+        for rollout in rollouts:
+            index = rollout.work.index
+            problem = batch_at(train, args.batch_size, args.seed, index // args.batch_size)[
+                index % args.batch_size
+            ]
+            for episode in rollout.result:
+                record = {
+                    **episode_record(problem, episode),
+                    "work": index,
+                    "attempt": rollout.work.attempt,
+                    "sampler_step": rollout.sampler_step,
+                }
+                f.write(json.dumps(record) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """GRPO on arithmetic word problems: sample K replies per question, reward 1 when the reply's final
 `#### N` is the answer (a local verifier), push each reply by its reward minus its group's mean.
 
-Every step refreshes the sampler from the current weights (save_weights_and_get_sampling_client),
-sends all of its questions' sample requests before waiting for any (the worker batches them), and
+Each question is a one-turn environment (ArithmeticEnv; common.envs). Every step refreshes the
+sampler from the current weights (save_weights_and_get_sampling_client), plays every question's
+group at once (the requests are all in flight together, so the worker batches them), and
 trains once on the replies with the `importance_sampling` or `ppo` loss. Every request carries a
 seed derived from (--seed, step, question), so a run is reproducible, resumes exactly, and gives
 the same numbers through Treadle's SDK and the plain tinker SDK. Held-out accuracy (greedy, the
@@ -17,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +26,11 @@ from tinker import types
 
 from treadle.recipes import arithmetic
 from treadle.recipes.common import metrics, options
-from treadle.recipes.common.advantages import group_centred
 from treadle.recipes.common.batching import batch_at, step_seed
-from treadle.recipes.common.chat import completion_text, datum, prompt_tokens
+from treadle.recipes.common.chat import datum, prompt_tokens
 from treadle.recipes.common.connect import current_sampler, service
-from treadle.recipes.common.evaluate import greedy_score, sample_all
+from treadle.recipes.common.envs import Action, Outcome, group_advantages, run_group
+from treadle.recipes.common.evaluate import greedy_score
 from treadle.recipes.common.runs import open_run
 
 
@@ -104,6 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class ArithmeticEnv:
+    """One question, one turn: the reply's reward is the strict verifier's (1 or 0)."""
+
+    def __init__(self, problem: arithmetic.Problem, prompt: list[int]) -> None:
+        self.problem, self.prompt = problem, prompt
+
+    def observation(self) -> list[int]:
+        return self.prompt
+
+    def step(self, action: Action) -> Outcome:
+        answered = arithmetic.final_answer(action.text) is not None
+        reward = arithmetic.reward(action.text, self.problem.answer)
+        return Outcome(reward, done=True, info={"answered": answered})
+
+
 def grpo_step(
     tc: Any,
     tokenizer: Any,
@@ -112,29 +129,29 @@ def grpo_step(
     args: Any,
 ) -> StepResult:
     """Sample K replies per question from the current weights, score them, train once."""
+    sampler = current_sampler(tc)
     prompts = [prompt_tokens(tokenizer, pr.messages) for pr in batch]
-    responses = sample_all(
-        current_sampler(tc), prompts,
-        num_samples=args.group_size, max_tokens=args.max_tokens, temperature=args.temperature,
-        seeds=[step_seed(args.seed, step, q) for q in range(len(batch))],
-    )  # fmt: skip
-    rewards, answered, lengths, logprobs = [], [], [], []
+    with ThreadPoolExecutor(max_workers=len(batch)) as pool:  # every question's request at once
+        played = pool.map(
+            lambda q: run_group(
+                [ArithmeticEnv(batch[q], prompts[q]) for _ in range(args.group_size)],
+                sampler, tokenizer, max_tokens=args.max_tokens, temperature=args.temperature,
+                seed=step_seed(args.seed, step, q),
+            ),
+            range(len(batch)),
+        )  # fmt: skip
+        episodes_Q = list(played)
     groups: list[tuple[list[int], list[Any], list[float]]] = []
-    for prompt, problem, response in zip(prompts, batch, responses, strict=True):
-        texts = [completion_text(tokenizer, s.tokens) for s in response.sequences]
-        rewards_G = [arithmetic.reward(t, problem.answer) for t in texts]
-        rewards += rewards_G
-        answered += [float(arithmetic.final_answer(t) is not None) for t in texts]
-        lengths += [len(s.tokens) for s in response.sequences]
-        logprobs += [lp for s in response.sequences for lp in s.logprobs]
-        groups.append((prompt, list(response.sequences), group_centred(rewards_G)))
+    for prompt, episodes in zip(prompts, episodes_Q, strict=True):
+        groups.append((prompt, [e.final.action for e in episodes], group_advantages(episodes)))
+    turns = [e.final for episodes in episodes_Q for e in episodes]
     datums = rl_datums(groups)
     loss = train_step(tc, datums, args.loss, args.learning_rate) if datums else None
     return StepResult(
-        reward=statistics.fmean(rewards),
-        answered=statistics.fmean(answered),
-        reply_tokens=statistics.fmean(lengths),
-        sampled_logprob=statistics.fmean(logprobs),
+        reward=statistics.fmean(t.reward for t in turns),
+        answered=statistics.fmean(float(t.info["answered"]) for t in turns),
+        reply_tokens=statistics.fmean(len(t.action.tokens) for t in turns),
+        sampled_logprob=statistics.fmean(lp for t in turns for lp in t.action.logprobs),
         groups_with_signal=sum(any(a != 0 for a in adv) for _, _, adv in groups),
         loss=loss,
     )

@@ -19,6 +19,9 @@ The limits are set by a small bootstrap in the child rather than in `preexec_fn`
 run sandboxes while another thread samples, and `preexec_fn` is not safe in a threaded parent.
 This is a guard against accidents and careless code from a small model, not a hardened jail
 against a determined attacker (that needs seccomp, a container or a VM).
+
+The recipes reach it through `Sandbox`, an interface of one method, so a remote service (a
+SandboxFusion server, say; docs/recipes/code_rl.md) can take its place; `LocalSandbox` is this one.
 Imports only the standard library.
 """
 
@@ -35,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 Outcome = Literal["passed", "failed", "timeout", "memory", "error", "refused"]
 MiB = 1024 * 1024
@@ -71,6 +74,24 @@ class Result:
     stderr: str
     seconds: float
     network: str  # "namespace" or "audit hook only"
+
+
+class Sandbox(Protocol):
+    """Where model-written code runs: `code`, then `tests` in its namespace, one Result. An
+    implementation must never raise for anything the code does (a crash, a hang, a refused
+    call are outcomes); it may raise when the sandbox itself is unusable."""
+
+    def run(self, code: str, tests: str) -> Result: ...
+
+
+@dataclass(frozen=True)
+class LocalSandbox:
+    """This module's sandbox, a child process per run on this machine, with its limits."""
+
+    limits: Limits = Limits()
+
+    def run(self, code: str, tests: str) -> Result:
+        return run(code, tests, self.limits)
 
 
 def run(code: str, tests: str = "", limits: Limits = Limits()) -> Result:

@@ -40,7 +40,8 @@ SOLUTIONS = {
 
 def solution(name: str, body: str) -> str:
     problem = next(p for p in PROBLEMS if p.name == name)
-    return f"def {problem.signature}:\n    {body}\n"
+    signature = problem.prompt.split("`")[1]  # "Write a Python function `add(a, b)` that ..."
+    return f"def {signature}:\n    {body}\n"
 
 
 def test_forty_problems_split_thirty_to_train_and_ten_held_out() -> None:
@@ -48,6 +49,11 @@ def test_forty_problems_split_thirty_to_train_and_ten_held_out() -> None:
     assert len(TRAIN) == 30 and len(HELD_OUT) == 10
     assert not {p.name for p in TRAIN} & {p.name for p in HELD_OUT}
     assert all(3 <= p.tests.count("assert ") <= 5 for p in PROBLEMS)
+
+
+def test_the_visible_test_is_the_first_of_the_hidden_ones() -> None:
+    for p in PROBLEMS:
+        assert p.visible_tests.count("assert ") == 1 and p.tests.startswith(p.visible_tests)
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.name)

@@ -9,6 +9,9 @@
 - batching:    deterministic batches for step n (a resumed run sees the same data)
 - advantages:  group-centred and per-token reverse-KL advantages
 - evaluate:    concurrent sampling (one request per prompt, all in flight) and scoring
+- envs:        environments (what the model sees, the reward, another turn or not), episodes,
+               groups played turn by turn, and datums weighted on the model's own tokens
+- rollouts:    a pool of rollout workers playing ahead of the trainer, with a staleness policy
 
 Client code: imports `tinker`, `treadle` (the SDK) and the recipes' own modules, never the
 platform's server side.
