@@ -149,25 +149,12 @@ def save_tokenizer(kind: str, folder: Path) -> object:
     return tok
 
 
-def model_folder(
-    arch: str,
-    folder: Path,
-    *,
-    tokenizer: str | None = None,
-    chat_template: str | None = None,
-    max_positions: int | None = None,
-) -> Path:
+def model_folder(arch: str, folder: Path, *, tokenizer: str | None = None) -> Path:
     """A registrable folder: a tiny random `arch` model whose embedding has room for its
-    tokenizer (rounded up to a multiple of 64, as real vocabularies are padded); `chat_template`
-    replaces the tokenizer's, `max_positions` the architecture's context length."""
+    tokenizer (rounded up to a multiple of 64, as real vocabularies are padded)."""
     tok = save_tokenizer(tokenizer or tokenizer_kind(arch), folder)
-    if chat_template is not None:
-        tok.chat_template = chat_template  # type: ignore[attr-defined]
-        tok.save_pretrained(str(folder))  # type: ignore[attr-defined]
     vocab = -(-len(tok) // 64) * 64  # type: ignore[arg-type]
     cfg = architectures.config(arch, vocab)
-    if max_positions is not None:
-        cfg.max_position_embeddings = max_positions
     eos = tok.convert_tokens_to_ids(tok.eos_token)  # type: ignore[attr-defined]
     cfg.eos_token_id = eos
     cfg.bos_token_id = tok.bos_token_id  # type: ignore[attr-defined]
