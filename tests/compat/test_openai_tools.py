@@ -10,6 +10,7 @@ Malformed tools, a tool_choice naming an unknown function and a streamed chat wi
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from tests.conftest import Platform
 from treadle.client import tool_calls
 from treadle.client.admin import AdminClient
 from treadle.engine.models import loading
+from treadle.platform.config import DEFAULT_CACHE_DIR
 from treadle.platform.models.catalog import SMOLLM2_NAME as SMOLLM2
 from treadle.platform.models.catalog import get_base_model
 
@@ -63,8 +65,10 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct as a registrable folder (its weights converted from the GGUF,
-    linked) with Qwen2.5's tool template in place of its own."""
-    served = loading.serving_dir(get_base_model(SMOLLM2), tmp_path_factory.mktemp("cache"))
+    linked) with Qwen2.5's tool template in place of its own. The conversion is the served
+    platform's own cache's (made once per machine, as its workers make it)."""
+    cache = Path(os.environ.get("TREADLE_CACHE_DIR") or DEFAULT_CACHE_DIR)
+    served = loading.serving_dir(get_base_model(SMOLLM2), cache)
     folder = tmp_path_factory.mktemp("tool-model") / "smollm2-tools"
     tok = AutoTokenizer.from_pretrained(str(served))
     tok.chat_template = QWEN25_TOOLS_TEMPLATE
