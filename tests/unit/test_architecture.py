@@ -432,3 +432,25 @@ def test_only_the_entry_points_import_the_app_factory() -> None:
         if "treadle.api.app" in _imports(path)
     ]
     assert importers == ["api/wsgi.py", "cli/serve.py"]
+
+
+def test_the_server_takes_from_the_client_only_its_tool_call_format() -> None:
+    """treadle.platform and treadle.api import nothing of treadle.client but `tool_calls` (how
+    a model writes tools and calls, shared so serving renders and parses as training does),
+    which loads neither the tinker SDK nor torch nor transformers."""
+    taken = sorted(
+        f"{module} imports {name}"
+        for module, imported in import_graph().items()
+        if module.startswith(("treadle.platform", "treadle.api"))
+        for name in imported
+        if name.startswith("treadle.client")
+        and name not in {"treadle.client", "treadle.client.tool_calls"}
+    )
+    assert taken == []
+    code = (
+        "import sys, treadle.client.tool_calls; "
+        "print(sorted(m for m in ('torch', 'transformers', 'tinker') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

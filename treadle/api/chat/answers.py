@@ -4,8 +4,9 @@ A streamed answer sends each sample's text as its tokens come (`progress.Follow`
 with its finish_reason (and whatever the final result holds beyond what was streamed), a usage
 chunk if asked, and `data: [DONE]`. A client that goes away closes the generator: the sample is
 cancelled on the worker (`progress.cancel_streamed`) and, if still pending after a short grace,
-in the database.
-Imports platform only; never torch.
+in the database. A chat offered tools (`Calls`) answers the calls read from its text as
+`tool_calls`, with finish_reason "tool_calls"; such a chat is never streamed.
+Imports platform and `treadle.client.tool_calls` only; never torch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from treadle.client import tool_calls
 from treadle.platform import db
 from treadle.platform.errors import TreadleError
 from treadle.platform.eventlog import progress
@@ -37,6 +39,32 @@ CANCEL_GRACE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
+class Calls:
+    """How a chat offered tools is answered: the tools, the text that opened the reply
+    (`prefill`, part of the prompt: the start of the call `tool_choice` asks for) and whether
+    more than one call is answered (`parallel`, OpenAI's parallel_tool_calls)."""
+
+    tools: list[dict[str, Any]]
+    prefill: str = ""
+    parallel: bool = True
+
+    def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
+        """The assistant message of sampled `text` and its finish_reason: the calls read from
+        it as `tool_calls` ("tool_calls"), or, when it holds none that can be read, its text
+        as it is (the prefill included) with `finish`."""
+        text = self.prefill + text
+        try:
+            content, calls = tool_calls.parse_tool_calls(tool_calls.HERMES, text, tools=self.tools)
+        except tool_calls.ToolCallParseError:
+            calls = []
+        if not calls:
+            return {"role": "assistant", "content": text, "refusal": None}, finish
+        calls = calls if self.parallel else calls[:1]
+        return {"role": "assistant", "content": content or None, "refusal": None,
+                "tool_calls": [call.to_openai() for call in calls]}, "tool_calls"  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Shape:
     model: str
     chat: bool
@@ -47,6 +75,7 @@ class Shape:
     base_model: BaseModelInfo
     cache_dir: Path
     n: int = 1  # choices: a chat stream opens each with the assistant's role
+    calls: Calls | None = None  # a chat offered tools (never streamed)
 
     def _tok(self) -> Any:
         return openai_serving.tokenizer(self.base_model, self.cache_dir)
@@ -76,6 +105,8 @@ class Shape:
             logprobs = self._logprobs(seq.tokens, seq.logprobs, seq.topk_logprobs)
             if self.chat:
                 message = {"role": "assistant", "content": decoder.text(), "refusal": None}
+                if self.calls is not None:
+                    message, finish = self.calls.message(decoder.text(), finish)
                 choices.append({"index": i, "message": message, "logprobs": logprobs,
                                 "finish_reason": finish})  # fmt: skip
             else:

@@ -1,8 +1,10 @@
 """OpenAI's completion request bodies (the OpenAI-compatible routes', SageMaker's inference), parsed.
 
 Every field OpenAI defines that Treadle serves is here; any other field (an unsupported OpenAI
-parameter such as `tools`, or a misspelling) is a 400 naming it in OpenAI's `param`, as is a
-penalty other than 0. Imports platform only; never torch.
+parameter such as `response_format`, or a misspelling) is a 400 naming it in OpenAI's `param`,
+as is a penalty other than 0. Chats may offer `tools` (checked by `treadle.client.tool_calls`,
+shared with the SDK, which needs no tinker SDK) and carry tool calls and tool results. Imports
+platform and `treadle.client.tool_calls` only; never torch.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ import re
 from typing import Any, Literal, TypeVar
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from treadle.api.body import reject_nul
+from treadle.client import tool_calls
 from treadle.platform.errors import ValidationError
 from treadle.platform.models.validation import MAX_TOPK_LOGPROBS
 
 MAX_CHOICES = 16  # n: samples per request
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
-_TYPE_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\])")
+_TYPE_TAG = re.compile(r"(str|int|float|bool|list\[.*\]|dict\[.*\]|literal\[.*\]|[A-Z]\w*)")
 
 
 class ParamError(ValidationError):
@@ -60,11 +63,54 @@ class _Common(BaseModel):
         return stops or None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @model_validator(mode="after")
+    def _shaped_for_its_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message, and only a tool message, carries tool_call_id")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (an assistant message may send tool_calls)")
+        return self
+
+    def plain(self) -> dict[str, Any]:
+        """The message as the chat template takes it ("developer" is the system's role)."""
+        out = self.model_dump(exclude_none=True, exclude={"name"})
+        if self.role == "developer":
+            out["role"] = "system"
+        return out
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Common):
@@ -72,6 +118,30 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOPK_LOGPROBS)
+    tools: list[Any] | None = None  # OpenAI function tools, checked by `offered_tools`
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the model is offered: none when `tool_choice` is "none"; a 400 naming
+        `tools` or `tool_choice` when they are malformed or do not agree."""
+        try:
+            tools = tool_calls.validate_tools(self.tools) if self.tools else []
+        except ValueError as exc:
+            raise ParamError(f"invalid tools: {exc}", "tools") from None
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not tools:
+            raise ParamError("tool_choice needs tools; send tools or leave tool_choice out",
+                             "tool_choice")  # fmt: skip
+        if isinstance(choice, NamedToolChoice):
+            names = [tool["function"]["name"] for tool in tools]
+            if choice.function.name not in names:
+                raise ParamError(
+                    f"tool_choice names function {choice.function.name!r}, which is not among "
+                    f"the tools {names}; name one of them",
+                    "tool_choice",
+                )
+        return [] if choice == "none" else tools
 
 
 class CompletionRequest(_Common):

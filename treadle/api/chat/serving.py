@@ -10,6 +10,7 @@ torch.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -17,9 +18,15 @@ import sqlalchemy as sa
 from flask import Response
 
 from treadle.api.admission import submit
-from treadle.api.chat.answers import Shape
-from treadle.api.chat.schemas import ChatCompletionRequest, CompletionRequest, ParamError
+from treadle.api.chat.answers import Calls, Shape
+from treadle.api.chat.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    ParamError,
+)
 from treadle.api.context import principal, services
+from treadle.client import tool_calls
 from treadle.platform import db
 from treadle.platform.errors import TreadleError, ValidationError
 from treadle.platform.eventlog import optypes, progress
@@ -35,19 +42,45 @@ def chat(body: ChatCompletionRequest, target: openai_models.Target) -> Any:
     """Serve a chat completion request on `target` (a JSON answer or an SSE response)."""
     if body.top_logprobs and not body.logprobs:
         raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
-    messages = [{"role": m.role if m.role != "developer" else "system", "content": m.content}
-                for m in body.messages]  # fmt: skip
+    messages = [m.plain() for m in body.messages]
+    try:
+        tool_calls.normalise_messages(messages)
+    except ValueError as exc:  # a call's arguments that are not a JSON object
+        raise ParamError(str(exc), "messages") from None
+    tools = body.offered_tools()
     model = services().models.get(target.base_model)
-    tokens = openai_serving.chat_tokens(model, services().config.cache_dir, messages)
+    cache_dir = services().config.cache_dir
+    calls = None
+    if tools:
+        if body.stream:
+            raise ParamError(
+                "streaming is not served with tools: send stream: false (or tool_choice: "
+                "'none', which offers no tools)",
+                "stream",
+            )
+        openai_serving.call_format(model, cache_dir)
+        calls = Calls(tools, _prefill(body.tool_choice), body.parallel_tool_calls)
+    prefill = calls.prefill if calls else ""
+    tokens = openai_serving.chat_tokens(model, cache_dir, messages, tools=tools, prefill=prefill)
     max_tokens = body.max_completion_tokens or body.max_tokens
     return serve(body, target, tokens, body.top_logprobs or 0, chat=True,
-                 want_logprobs=body.logprobs,
+                 want_logprobs=body.logprobs, calls=calls,
                  max_tokens=max_tokens or openai_serving.DEFAULT_CHAT_TOKENS)  # fmt: skip
+
+
+def _prefill(choice: str | NamedToolChoice | None) -> str:
+    """The opening of the reply that `tool_choice` asks for: a call ("required"), a call of the
+    named function, or nothing ("auto"). Each ends where a byte-level BPE's pre-tokenizer splits
+    the whole call's text (before the space of ` {`, after that of ` "`), so the prompt's
+    tokens are those the model sees when it writes the call itself."""
+    if isinstance(choice, NamedToolChoice):
+        return f'<tool_call>\n{{"name": {json.dumps(choice.function.name)}, "arguments":'
+    return '<tool_call>\n{"name": "' if choice == "required" else ""
 
 
 def serve(body: CompletionRequest | ChatCompletionRequest, target: openai_models.Target,
           tokens: list[int], top_k: int, *, chat: bool, want_logprobs: bool,
-          max_tokens: int) -> Any:  # fmt: skip
+          max_tokens: int, calls: Calls | None = None) -> Any:  # fmt: skip
     svc, who = services(), principal()
     stop = body.stops()
     try:
@@ -68,6 +101,7 @@ def serve(body: CompletionRequest | ChatCompletionRequest, target: openai_models
         svc.models.get(target.base_model),
         svc.config.cache_dir,
         body.n,
+        calls,
     )
     request_id, follower = admit(target, payload, stream=body.stream)
     if follower is None:

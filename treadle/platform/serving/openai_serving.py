@@ -1,10 +1,13 @@
 """OpenAI-compatible sampling, without HTTP: prompts to token ids (a chat through the model's
-chat template), the Sample payload, and a sample result as OpenAI choices, logprobs and usage.
+chat template, with tools and tool calls in the model's own format: `treadle.client.tool_calls`,
+shared with the SDK), the Sample payload, and a sample result as OpenAI choices, logprobs and
+usage.
 
 Both catalogue models use SmolLM2's tokenizer and its ChatML chat template, so tiny-debug chats
 too. Text is decoded without special tokens (the EOS a chat stops on is not shown) and cut at the
 first stop string, which OpenAI never returns. Imports nothing from api, engine, worker, flask or
-torch (transformers is loaded lazily, by `tokenizers.load_tokenizer`).
+torch (transformers is loaded lazily, by `tokenizers.load_tokenizer`); of the client, only
+`tool_calls`, which loads neither transformers nor the tinker SDK.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from treadle.client import tool_calls
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
 from treadle.platform.eventlog.results import SampledSequence
@@ -36,24 +40,32 @@ def tokenizer(model: BaseModelInfo, cache_dir: Path) -> Any:
 def chat_tokens(
     model: BaseModelInfo,
     cache_dir: Path,
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     *,
     continue_final: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    prefill: str = "",
 ) -> list[int]:
     """The token ids of `messages` through the model's chat template, ready for the reply;
-    `continue_final`: the last (assistant) message left open, the reply continuing its text."""
+    `continue_final`: the last (assistant) message left open, the reply continuing its text.
+    `tools` are offered in the model's own format (`tool_calls.render_text`), and `prefill`
+    opens the reply (the start of a tool call that `tool_choice` asks for)."""
     tok = tokenizer(model, cache_dir)
     if not tok.chat_template:
         raise ValidationError(
             f"model {model.name} has no chat template; use /v1/completions with a prompt"
         )
     try:
-        text = tok.apply_chat_template(
-            list(messages),
-            add_generation_prompt=not continue_final,
-            continue_final_message=continue_final,
-            tokenize=False,
-        )
+        if continue_final:
+            text = tok.apply_chat_template(
+                list(messages),
+                add_generation_prompt=False,
+                continue_final_message=True,
+                tokenize=False,
+            )
+        else:
+            text = tool_calls.render_text(tok, messages, tools, add_generation_prompt=True)
+            text += prefill
     except Exception as exc:  # the template's own refusal (raise_exception), or transformers'
         if not isinstance(exc, ValueError | TypeError) and "jinja2" not in type(exc).__module__:
             raise
@@ -61,6 +73,15 @@ def chat_tokens(
             f"model {model.name}'s chat template cannot render these messages: {exc}"
         ) from None
     return list(tok.encode(text, add_special_tokens=False))
+
+
+def call_format(model: BaseModelInfo, cache_dir: Path) -> str:
+    """The format `model` writes tool calls in (`tool_calls.HERMES`); a 400 for a chat template
+    that renders tools in a format the server cannot parse."""
+    try:
+        return tool_calls.tool_call_format(tokenizer(model, cache_dir))
+    except tool_calls.ToolFormatError as exc:
+        raise ValidationError(f"model {model.name}: {exc}; leave tools out") from None
 
 
 def prompt_tokens(model: BaseModelInfo, cache_dir: Path, prompt: str) -> list[int]:
