@@ -3,7 +3,9 @@ format), set on a tokenizer whose own template has no tool support."""
 
 from __future__ import annotations
 
-# Qwen2.5-Instruct's chat template (its tokenizer_config.json), unchanged.
+# Qwen2.5-Instruct's chat template as its tokenizer_config.json has it, written out here (no hub
+# access in the tests) and not compared byte for byte with the published file: the tests need a
+# template that renders `tools` and `tool_calls` in the Hermes format, which this one does.
 QWEN25_TOOLS_TEMPLATE = """\
 {%- if tools %}
     {{- '<|im_start|>system\\n' }}
