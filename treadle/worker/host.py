@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 from treadle.engine import EngineAPI
 from treadle.platform import db
+from treadle.platform.audit.mlflow_publisher import MlflowPublisher
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.config import PlatformConfig
 from treadle.platform.eventlog import events, notify
@@ -85,7 +86,15 @@ class SessionHost:
         self._locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._held: dict[str, _Held] = {}
         self._running: Running | None = None
-        self.settler = Settler(db, redis_client, worker_id, config.metering)
+        self.publisher = (
+            MlflowPublisher(db, config.mlflow_tracking_uri, config.mlflow_experiment)
+            if config.mlflow_tracking_uri
+            else None
+        )
+        self.settler = Settler(
+            db, redis_client, worker_id, config.metering,
+            step_settled=self.publisher.step_settled if self.publisher else None,
+        )  # fmt: skip
         self.samples = SampleBatches(self)
         self.on_not_holder: Any = None  # set by the runtime: stop consuming a lost session
 
@@ -167,6 +176,8 @@ class SessionHost:
     def close(self) -> None:
         """The worker is shutting down: interrupt the running operation, start nothing new."""
         self.closing.set()
+        if self.publisher is not None:
+            self.publisher.close()
 
     # --- ordering ---------------------------------------------------------------------------
 
