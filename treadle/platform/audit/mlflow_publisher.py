@@ -174,6 +174,8 @@ class MlflowPublisher:
                 SESSION_TAG: session.id,
                 "treadle.tenant_id": session.tenant_id,
                 "treadle.base_model": session.base_model,
+                # a SageMaker training session's own name, where it has one
+                **({"treadle.session_name": session.name} if session.name else {}),
             },
         )
         lora = {f"lora_{k}": str(v) for k, v in session.lora_config.items()}
