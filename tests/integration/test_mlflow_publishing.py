@@ -85,7 +85,7 @@ def test_each_sessions_steps_reach_its_mlflow_run_as_audited(
     key = new_tenant_key(tracked_platform, "mlflow")
     svc = tinker.ServiceClient(base_url=tracked_platform.base_url, api_key=key)
     try:
-        tc = svc.create_lora_training_client("treadle/tiny-debug", rank=4, seed=1)
+        tc = svc.create_lora_training_client("treadle/tiny-debug", rank=4, seed=1).result()
         tokens = list(range(10, 30))
         datum = types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
