@@ -22,6 +22,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.databases import private_database
+from tests.mlflow_server import mlflow_server
 from tests.secure_app import SecureApp, running_secure_app
 from treadle.client.admin import AdminClient
 from treadle.platform import db
@@ -134,6 +135,13 @@ def quiet_engine(services: Services) -> Iterator[sa.Engine]:
         eng = db.connect(url, pool_size=2)
         yield eng
         eng.dispose()
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server (tests/mlflow_server.py) for this test run."""
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+        yield uri
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,16 @@ def test_a_cycle_is_found_where_there_is_one(tmp_path: Path) -> None:
 
 # treadle/platform: the process's plumbing at the top, which imports no package; each package
 # may import the plumbing and the packages named here (docs/design.md, "The map").
-PLATFORM_PLUMBING = {"after_commit", "child_process", "config", "db", "embedded", "errors", "logs", "metrics"}
+PLATFORM_PLUMBING = {
+    "after_commit",
+    "child_process",
+    "config",
+    "db",
+    "embedded",
+    "errors",
+    "logs",
+    "metrics",
+}
 PLATFORM_LAYERS = {
     "eventlog": set(),
     "models": {"eventlog", "tenancy"},  # the registry: its table, events and operator checks

@@ -35,6 +35,8 @@ DEFAULT_SAGEMAKER_MAX_BODY_BYTES = 16 * 1024 * 1024
 # A region a SigV4 credential scope may name (it is echoed in ARNs, so no ':' or '/'): lowercase
 # letters, digits and inner hyphens, like us-east-1.
 AWS_REGION_NAME = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,30}[a-z0-9])?$")
+# The MLflow experiment a session's run goes in: one per tenant.
+DEFAULT_MLFLOW_EXPERIMENT = "treadle-{tenant}"
 # How an operator makes a TREADLE_SECRETS_KEY (a Fernet key: 32 random bytes, urlsafe base64).
 SECRETS_KEY_HOWTO = (
     "generate one with: python -c 'import base64, os; "
@@ -151,6 +153,11 @@ class PlatformConfig:
     aws_regions: tuple[str, ...] = ()
     # The largest SageMaker request body (api/sagemaker; a larger one is refused).
     sagemaker_max_body_bytes: int = DEFAULT_SAGEMAKER_MAX_BODY_BYTES
+    # An MLflow tracking server to which workers publish each session's per-step figures
+    # (platform/audit/mlflow_publisher.py), in the experiment named here ("{tenant}": the
+    # session's tenant id). Empty: nothing is published.
+    mlflow_tracking_uri: str = ""
+    mlflow_experiment: str = DEFAULT_MLFLOW_EXPERIMENT
 
     @property
     def fwdbwd_chunk_bytes(self) -> int:
@@ -229,6 +236,8 @@ class PlatformConfig:
             sagemaker_max_body_bytes=_body_bytes(
                 env, "TREADLE_SAGEMAKER_MAX_BODY_BYTES", DEFAULT_SAGEMAKER_MAX_BODY_BYTES
             ),
+            mlflow_tracking_uri=env.get("TREADLE_MLFLOW_TRACKING_URI", ""),
+            mlflow_experiment=env.get("TREADLE_MLFLOW_EXPERIMENT") or DEFAULT_MLFLOW_EXPERIMENT,
         )
 
     def with_services(self, database_url: str, redis_url: str) -> PlatformConfig:
@@ -273,6 +282,8 @@ class PlatformConfig:
             "TREADLE_WORKER_METRICS_ADDR": self.worker_metrics_addr,
             "TREADLE_LOG_FORMAT": self.log_format,
             "TREADLE_SAGEMAKER_MAX_BODY_BYTES": str(self.sagemaker_max_body_bytes),
+            "TREADLE_MLFLOW_TRACKING_URI": self.mlflow_tracking_uri,
+            "TREADLE_MLFLOW_EXPERIMENT": self.mlflow_experiment,
         }
         if self.secrets_key:
             env["TREADLE_SECRETS_KEY"] = self.secrets_key

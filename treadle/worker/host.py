@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 from treadle.engine import EngineAPI
 from treadle.platform import db
+from treadle.platform.audit.mlflow_publisher import MlflowPublisher
 from treadle.platform.checkpoints.storage import ObjectStore
 from treadle.platform.config import PlatformConfig
 from treadle.platform.eventlog import events, notify
@@ -88,7 +89,15 @@ class SessionHost:
         self._running: Running | None = None
         self._waking = 0  # wake-ups running now (`busy`); changed under `_waking_lock`
         self._waking_lock = threading.Lock()
-        self.settler = Settler(db, redis_client, worker_id, config.metering)
+        self.publisher = (
+            MlflowPublisher(db, config.mlflow_tracking_uri, config.mlflow_experiment)
+            if config.mlflow_tracking_uri
+            else None
+        )
+        self.settler = Settler(
+            db, redis_client, worker_id, config.metering,
+            step_settled=self.publisher.step_settled if self.publisher else None,
+        )  # fmt: skip
         self.samples = SampleBatches(self)
         # samples beside training (vLLM) run on a thread of their own; else on the Celery
         # thread, between a training operation's passes
@@ -184,6 +193,8 @@ class SessionHost:
         self.closing.set()
         if self.sampler is not None:
             self.sampler.poke()
+        if self.publisher is not None:
+            self.publisher.close()
 
     def busy(self) -> bool:
         """Whether a wake-up is running now (an operation, a rebuild: the wake-ups of samples

@@ -2,13 +2,15 @@
 
 `Settler.settle` writes the operation's completion or failure, its usage and, for a state
 change, the adapter's hashes (`operations.settle`), then, once committed, tells the client
-(`notify`), records the operation's metrics and log line (`telemetry`) and counts its charge.
+(`notify`), records the operation's metrics and log line (`telemetry`), counts its charge and,
+for an optimizer step, tells the MLflow publisher when there is one.
 A stale lease writes nothing. Imports platform only; never api or the engine.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,7 @@ import sqlalchemy as sa
 from treadle.platform import metrics
 from treadle.platform.billing import metering
 from treadle.platform.eventlog import notify
+from treadle.platform.eventlog.optypes import OpType
 from treadle.platform.operations import operations
 from treadle.platform.sessions import leases
 from treadle.platform.sessions.sessions import SessionRow
@@ -36,6 +39,8 @@ class Settler:
     redis: redis.Redis
     worker_id: str
     metering: bool  # settle usage rows and charges (TREADLE_METERING)
+    # Told a session's id when its optim_step has settled (the MLflow publisher), or None.
+    step_settled: Callable[[str], None] | None = None
 
     def settle(
         self,
@@ -76,6 +81,8 @@ class Settler:
             )
             notify.publish_done(self.redis, op.request_id, notice)
             telemetry.settled(self.worker_id, op, error, seconds, started_at)
+            if self.step_settled is not None and op.type == OpType.OPTIM_STEP and error is None:
+                self.step_settled(session.id)
         if settled.charge is not None:
             metering.count_charge(settled.charge)
         return settled

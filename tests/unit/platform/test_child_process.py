@@ -9,8 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from treadle.platform.child_process import ending_with_parent
-
 PARENT = """
 import subprocess, sys, time
 from treadle.platform.child_process import ending_with_parent

@@ -54,9 +54,9 @@ def test_a_datum_shifts_targets_and_pads_per_token_inputs_over_the_prompt() -> N
 
 
 def _args(tmp_path: Path, **flags: bool) -> argparse.Namespace:
-    return argparse.Namespace(
-        log_dir=tmp_path, resume=flags.get("resume", False), overwrite=flags.get("overwrite", False)
-    )
+    """A recipe's parsed command line with --log-dir `tmp_path` and the on/off `flags`."""
+    argv = ["--embedded", "--log-dir", str(tmp_path), *(f"--{f}" for f, on in flags.items() if on)]
+    return options.parse(options.parser("demo", "a recipe", steps=4, learning_rate=1e-3), argv)
 
 
 def test_a_resumed_metrics_file_keeps_rows_up_to_the_checkpoint(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""Per-step metrics: one JSON object per line in metrics.jsonl, a progress bar showing the latest
-ones, and the learning curve drawn from the file as a PNG (matplotlib, no screen needed).
+"""Per-step metrics: one JSON object per line in metrics.jsonl (each also handed to a sink: the
+run's MLflow tracker), a progress bar showing the latest ones, and the learning curve drawn from
+the file as a PNG (matplotlib, no screen needed).
 
 A resumed run keeps the lines up to its checkpoint's step and drops the later ones (steps it is
 about to run again), so the file always reads as one run.
@@ -11,7 +12,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,18 @@ class MetricsLog:
     """`log.record(step, loss=..., accuracy=...)`; rows with `step` = optimizer steps taken."""
 
     def __init__(
-        self, path: Path, *, start_step: int, total_steps: int, progress: bool, shown: Sequence[str]
+        self,
+        path: Path,
+        *,
+        start_step: int,
+        total_steps: int,
+        progress: bool,
+        shown: Sequence[str],
+        sink: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.path = path
         self.shown = list(shown)
+        self.sink = sink
         kept = [row for row in read(path) if row["step"] <= start_step] if start_step else []
         path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         # A resumed run's clock continues from where the kept rows end.
@@ -40,6 +49,8 @@ class MetricsLog:
         row = {"step": step, "elapsed_s": round(time.monotonic() - self.started, 3), **metrics}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.sink is not None:
+            self.sink(row)
         latest = {k: _short(row[k]) for k in self.shown if row.get(k) is not None}
         if latest:
             self.bar.set_postfix(latest, refresh=False)

@@ -1,11 +1,17 @@
 """The command line every recipe takes: where the platform is, which client, the model, the run
-folder, and the knobs common to every loop. A recipe adds its own flags to the parser."""
+folder, the tracker, and the knobs common to every loop. A recipe adds its own flags to the
+parser. Values may also come from a file (`--config`, or the run's config.json on `--resume`:
+run_config); flags given on the command line win."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+
+from treadle.recipes.common import run_config
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -69,6 +75,25 @@ def parser(
         help="evaluate on held-out data every N steps, besides before and after (0: only then)",
     )  # fmt: skip
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--config", type=Path, metavar="FILE",
+        help="take flag values from FILE (a JSON object keyed by flag, as the config.json every "
+        "run writes in --log-dir); flags given on the command line win",
+    )  # fmt: skip
+    run.add_argument(
+        "--allow-config-change", action="store_true",
+        help="let --resume continue with a configuration that differs from the run's config.json",
+    )  # fmt: skip
+    track = p.add_argument_group("tracking")
+    track.add_argument(
+        "--mlflow-uri", default=os.environ.get("MLFLOW_TRACKING_URI") or None,
+        help="log parameters, per-step metrics, the curve and the final checkpoint to an MLflow "
+        "run on this tracking server (default: $MLFLOW_TRACKING_URI; none: no tracking)",
+    )  # fmt: skip
+    track.add_argument(
+        "--mlflow-experiment", default=f"treadle-{name}",
+        help="the MLflow experiment the run goes in (created if missing)",
+    )  # fmt: skip
     return p
 
 
@@ -80,9 +105,19 @@ def non_negative(text: str) -> int:
     return value
 
 
-def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and check the combinations argparse cannot."""
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse (over the values of --config FILE, or of the run's config.json on --resume) and
+    check the combinations argparse cannot."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    source = args.config
+    if source is None and args.resume and (args.log_dir / run_config.FILE).exists():
+        source = args.log_dir / run_config.FILE
+    if source is not None:
+        try:
+            args = p.parse_args([*run_config.as_argv(p, run_config.read(source), source), *argv])
+        except run_config.ConfigError as e:
+            p.error(str(e))
     if not args.embedded and not (args.base_url and args.api_key):
         p.error(
             "no platform: pass --embedded to start one for this run, or --base-url and "

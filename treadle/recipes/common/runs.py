@@ -1,6 +1,8 @@
-"""The run folder: which step the run has reached, its checkpoints, and --resume.
+"""The run folder: which step the run has reached, its configuration, its checkpoints, and
+--resume.
 
-A checkpoint is `save_state` (adapter and optimizer state on the platform) plus `checkpoint.json`
+config.json records every flag's value (run_config); a resumed run must match it unless told
+otherwise. A checkpoint is `save_state` (adapter and optimizer state on the platform) plus `checkpoint.json`
 here naming it and the step it was taken after. Data order, sampling seeds and evaluation all
 derive from (seed, step), so a resumed run continues exactly where the checkpoint left it.
 """
@@ -16,15 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treadle.recipes.common import metrics, options
+from treadle.recipes.common import metrics, options, run_config
 from treadle.recipes.common.connect import ready
+from treadle.recipes.common.tracking import RUN_FILE, Tracker
 
 CHECKPOINT = "checkpoint.json"
-RUN_FILES = ("metrics.jsonl", "curve.png", CHECKPOINT)
+RUN_FILES = ("metrics.jsonl", "curve.png", CHECKPOINT, run_config.FILE, RUN_FILE)
 
 
 class RunFolderError(ValueError):
-    """The run folder does not fit the flags (a run exists without --resume, or none with it)."""
+    """The run folder does not fit the flags (a run exists without --resume, or none with it,
+    or a resumed run's configuration changed)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,14 @@ class RunFolder:
         self.path: Path = args.log_dir
         self.name = self.path.name
         self.resumed_from = self._open(resume=args.resume, overwrite=args.overwrite)
+        config = run_config.resolved(args)
+        if self.resumed_from:
+            self._check_config(config, allow_change=args.allow_config_change)
+        run_config.write(self.path / run_config.FILE, config)
+        self.tracker = Tracker.start(
+            args.mlflow_uri, args.mlflow_experiment, self.path, config,
+            resumed=self.resumed_from is not None,
+        )  # fmt: skip
 
     @property
     def start_step(self) -> int:
@@ -81,12 +93,28 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         return None
 
+    def _check_config(self, config: dict[str, Any], *, allow_change: bool) -> None:
+        """A resumed run continues the recorded configuration, or is told it may change."""
+        path = self.path / run_config.FILE
+        if not path.exists():  # a run from before config.json was written
+            return
+        changed = run_config.changes(run_config.read(path), config)
+        if changed and not allow_change:
+            raise RunFolderError(
+                f"--resume: the configuration differs from {path} in {'; '.join(changed)}. "
+                "Leave those flags out to continue as recorded, or pass --allow-config-change "
+                "to continue with the new values"
+            )
+
     def training_client(self, svc: Any, args: argparse.Namespace) -> Any:
         """A new LoRA session, or one loaded from the checkpoint (weights and optimizer)."""
         if self.resumed_from:
             state = self.resumed_from.state
-            return ready(svc.create_training_client_from_state_with_optimizer(state))
-        return ready(svc.create_lora_training_client(args.model, rank=args.rank, seed=args.seed))
+            tc = ready(svc.create_training_client_from_state_with_optimizer(state))
+        else:
+            tc = ready(svc.create_lora_training_client(args.model, rank=args.rank, seed=args.seed))
+        self.tracker.tag_session(str(tc.model_id))
+        return tc
 
     def save(self, tc: Any, step: int) -> Checkpoint:
         """save_state after `step` optimizer steps; checkpoint.json is replaced atomically."""
@@ -101,7 +129,7 @@ class RunFolder:
         """metrics.jsonl, opened at this run's step (a resumed run keeps the rows up to it)."""
         return metrics.MetricsLog(
             self.path / "metrics.jsonl", start_step=self.start_step, total_steps=args.steps,
-            progress=not args.no_progress, shown=shown,
+            progress=not args.no_progress, shown=shown, sink=self.tracker.log_row,
         )  # fmt: skip
 
     def step_done(
@@ -127,8 +155,12 @@ class RunFolder:
         panels: dict[str, list[str]],
         summary: Callable[[list[dict[str, Any]]], dict[str, Any]],
     ) -> None:
-        """Draw curve.png from metrics.jsonl and print the run's summary (computed from the
-        rows, so a resumed run reports the evaluation its first half made) as the last line."""
+        """Draw curve.png from metrics.jsonl, hand the run's files to the tracker and print the
+        run's summary (computed from the rows, so a resumed run reports the evaluation its first
+        half made) as the last line."""
         rows = metrics.read(self.path / "metrics.jsonl")
         metrics.plot(rows, self.path / "curve.png", title, panels)
+        checkpoint = self.path / CHECKPOINT
+        state = json.loads(checkpoint.read_text())["state"] if checkpoint.exists() else None
+        self.tracker.finish(self.path, ("curve.png", run_config.FILE, CHECKPOINT), state)
         print(json.dumps({**summary(rows), "log_dir": str(self.path)}))
