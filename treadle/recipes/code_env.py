@@ -4,9 +4,9 @@ The model sees the problem with the tool offered, rendered in its own chat forma
 (treadle.client.tool_calls.render). On the first turn it may call `check_solution`: the
 candidate (the call's `code` argument, or else the reply's ```python block) runs against the
 problem's visible tests in the sandbox, and the results come back as the tool's message; the
-model then has a second, final turn. One worked exchange (EXAMPLE) precedes the problem. A reply without a tool call is final at once. The final
-reply is graded on the hidden tests: 1 when all pass, 0 otherwise, -0.1 when it has no code block
-(code_problems.reward). A tool call the parser cannot read ends the episode as a failed turn
+model then has a second, final turn. One worked exchange (EXAMPLE) precedes the problem. A reply
+without a tool call is final at once. The final reply is graded on the hidden tests: 1 when all
+pass, 0 otherwise, -0.1 when it has no code block (code_problems.reward). A tool call the parser cannot read ends the episode as a failed turn
 scored -0.1; a candidate that times out, crashes or is refused is the tool's answer, never an
 exception; a sandbox that itself fails is reported to the model the same way.
 
