@@ -21,6 +21,10 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+# Before any test module imports mlflow: otherwise it stops `sqlalchemy.engine` propagating, and
+# the tests that read SQL statements from the log capture (tests/security) see none.
+os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
+
 from tests.databases import private_database
 from tests.mlflow_server import mlflow_server
 from tests.secure_app import SecureApp, running_secure_app

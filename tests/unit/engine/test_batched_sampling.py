@@ -218,7 +218,7 @@ def test_long_scored_prompts_prefill_in_passes_bounded_by_their_logits(
         for i in range(6)
     ]  # fmt: skip
     batch = engine.open_batch(TINY)
-    jobs = [(i, engine._job(r)) for i, r in enumerate(requests)]
+    jobs = [(i, engine._reference_job(r)) for i, r in enumerate(requests)]
     groups = batch._decoding._prefill_groups(jobs)
     vocab = engine.tokenizer(TINY).vocab_size
     assert [len(g) for g in groups] == [2, 2, 2]  # 2 x 300 x vocab fits, 3 x 300 does not

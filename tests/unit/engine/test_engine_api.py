@@ -15,7 +15,15 @@ from treadle.engine.protocol import adapter_calls
 
 # Calls of the group itself or of its sampling (a batch every rank decodes: `decoding`), which
 # neither mirror a call nor run it on rank 0 alone.
-GROUP_CALLS = {"open_batch", "sample_batch", "topology", "rank_memory", "ping", "close"}
+GROUP_CALLS = {
+    "open_batch",
+    "sample_batch",
+    "samples_beside_training",  # never: a group's ranks decode between its training calls
+    "topology",
+    "rank_memory",
+    "ping",
+    "close",
+}
 
 
 def _calls(cls: type) -> dict[str, inspect.Signature]:

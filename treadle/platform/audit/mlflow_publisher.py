@@ -31,6 +31,11 @@ from treadle.platform.tenancy.tenants import Principal, Role
 
 log = logging.getLogger(__name__)
 
+# Importing mlflow otherwise takes over loggers of the worker's own: it sets `sqlalchemy.engine`
+# and `alembic` to WARNING with a handler of its own and stops them propagating, so their
+# records would leave the worker's log format (platform/logs). Set before mlflow is imported.
+os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
+
 SESSION_TAG = "treadle.session_id"
 CURSOR_TAGS = {
     "step": "treadle.published_step",

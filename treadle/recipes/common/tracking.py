@@ -22,6 +22,10 @@ from typing import Any
 
 RUN_FILE = "mlflow.json"
 
+# Importing mlflow otherwise sets loggers of the process's own (`sqlalchemy.engine`, `alembic`)
+# to WARNING with a handler of its own; a recipe's logging stays the process's.
+os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
+
 
 class Tracker:
     """The run's MLflow run; does nothing without --mlflow-uri or once the server has failed."""
