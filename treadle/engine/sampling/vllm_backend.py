@@ -5,9 +5,9 @@ written as the peft folder Treadle writes for checkpoints and loaded under a nam
 weights' digest, so a name never serves other weights: vLLM keeps serving the old weights of a
 name loaded again with new files; unloaded when the snapshot is released and no job in flight
 uses it: snapshots are released by training calls that run beside samples), and `run`, which
-sends one job's requests and, when the server died under them, starts it again and sends them
-again (the seed is fixed when the job joins, so the answer is the same). Must not import flask,
-sqlalchemy, celery or treadle.api.
+sends one job's requests and, when the server died under them (or did not start), starts it
+again and sends them again (the seed is fixed when the job joins, so the answer is the same).
+Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import shutil
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,8 @@ __all__ = ["VllmBackend"]
 
 # A job whose server died under it is sent again, to a new server, at most this many times.
 _ATTEMPTS = 3
+# After a server that did not start, the next try waits this long.
+_START_PAUSE_SECONDS = 5.0
 _REQUEST_SECONDS = 3600.0
 
 
@@ -124,8 +127,19 @@ class VllmBackend:
         """The job's result, from the server (started again if it died, and the job resent),
         sampled with `adapter` (a name `adapter` gave, let go once done)."""
         try:
+            seen = None
             for attempt in range(_ATTEMPTS):
-                url = self.server.ensure()
+                try:
+                    if seen is not None:
+                        self.server.recover(seen)
+                    url = self.server.ensure()
+                except UnavailableError:
+                    # it did not start (memory short for a moment, say): try again shortly,
+                    # unless the worker is closing it or this was the last try
+                    if self.server.closed or attempt == _ATTEMPTS - 1:
+                        raise
+                    time.sleep(_START_PAUSE_SECONDS)
+                    continue
                 seen = self.server.starts
                 try:
                     return self._run_once(url, job, adapter, seed)
@@ -135,7 +149,6 @@ class VllmBackend:
                             f"the vLLM server failed {_ATTEMPTS} times under this sample "
                             f"({exc}); retry it"
                         ) from exc
-                    self.server.recover(seen)
             raise AssertionError("unreachable")
         finally:
             with self._lock:

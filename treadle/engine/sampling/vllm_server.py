@@ -126,6 +126,11 @@ class VllmServer:
                     self._process.wait()
             self._process = None
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (the server is never started again)."""
+        return self._closed
+
     def _refuse_closed(self) -> None:
         if self._closed:
             raise UnavailableError("the worker is shutting down its vLLM server; retry the sample")
