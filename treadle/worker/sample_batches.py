@@ -159,39 +159,43 @@ class SampleBatches:
     def run_beside(self) -> bool:
         """On the sampling thread, beside training: run the samples waiting on this worker's
         sessions now, in one batch; False when none waits."""
-        with self.host.db.connect() as conn:
-            found = self._first_waiting(conn)
-            if found is None:
-                return False
-            op, payload = found
-            session = sessions_core.get_session(conn, None, op.session_id)
-        if session.worker_id != self.host.worker_id or not session.is_active:
+        found = self._first_runnable()
+        if found is None:
             return False
-        self.run(session, op, payload)
+        self.run(*found)
         return True
 
     def run_waiting(self, holding: SessionRow) -> bool:
         """Between two passes of `holding`'s training operation (this thread holds its lock):
         run the samples waiting on this worker's sessions now, in one batch, so that none waits
         for the whole operation; False when none waits (or every one's session is busy)."""
-        with self.host.db.connect() as conn:
-            found = self._first_waiting(conn)
-            if found is None:
-                return False
-            op, payload = found
-            session = sessions_core.get_session(conn, None, op.session_id)
-        if session.worker_id != self.host.worker_id or not session.is_active:
+        found = self._first_runnable()
+        if found is None:
             return False
+        session = found[0]
         # this thread holds the training session's lock; another session's may be busy
         lock = None if session.id == holding.id else self.host.lock(session.id)
         if lock is not None and not lock.acquire(blocking=False):
             return False  # its own thread runs it
         try:
-            self.run(session, op, payload)
+            self.run(*found)
         finally:
             if lock is not None:
                 lock.release()
         return True
+
+    def _first_runnable(self) -> tuple[SessionRow, operations.OperationRow, Sample] | None:
+        """The first waiting sample (`_first_waiting`) with its session, if this worker holds
+        that session and it is active."""
+        with self.host.db.connect() as conn:
+            found = self._first_waiting(conn)
+            if found is None:
+                return None
+            op, payload = found
+            session = sessions_core.get_session(conn, None, op.session_id)
+        if session.worker_id != self.host.worker_id or not session.is_active:
+            return None
+        return session, op, payload
 
     def _first_waiting(self, conn: sa.Connection) -> tuple[operations.OperationRow, Sample] | None:
         """The first pending sample of this worker's sessions whose weights are ready."""
