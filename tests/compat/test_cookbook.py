@@ -14,65 +14,29 @@ import ast
 import json
 import math
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from tinker_cookbook import model_info, renderers, tokenizer_utils
 from tinker_cookbook.exceptions import ConfigurationError
 from tinker_cookbook.renderers.base import ParseTermination
 
-from tests.compat import users
+from tests.compat.cookbook_runs import jsonl, losses_trained, run_recipe
 from tests.conftest import Platform, new_tenant_key
 from treadle import cookbook
 from treadle.client.admin import AdminClient
-from treadle.platform import db
-from treadle.platform.eventlog.schema import events
 from treadle.platform.models import catalog, tokenizers
 
 pytestmark = pytest.mark.integration
 
 TINY = catalog.TINY_DEBUG_NAME
 SMOLLM2 = catalog.SMOLLM2_NAME
-TIMEOUT = 600
 
 
 @pytest.fixture(scope="module")
 def key(platform: Platform) -> str:
     return new_tenant_key(platform, "cookbook")
-
-
-def run_recipe(
-    platform: Platform, key: str, tmp: Path, module: str, *args: str
-) -> subprocess.CompletedProcess[str]:
-    """`python -m treadle.cookbook <module> <args>` as a user runs it: the tinker variables set,
-    the hub switched off, caches in `tmp`; it must exit 0."""
-    env = users.user_env(
-        platform.base_url, key, tmp / "hf-home",
-        TINKER_COOKBOOK_RUNS_DIR=str(tmp / "runs"),
-        TREADLE_CACHE_DIR=str(tmp / "cache"),
-        HF_HUB_OFFLINE="1",  # no hub: tokenizers come from Treadle
-    )  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "treadle.cookbook", module, *args],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    assert "Retrying request" not in output  # quiet long-polls
-    assert "is not recommended for model" not in output
-    return done
-
-
-def jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def batches(log: Path) -> list[dict[str, Any]]:
@@ -147,23 +111,6 @@ def test_math_rl_arithmetic_trains_saves_and_resumes_from_its_log_dir(
     metrics = batches(log)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert all(-1.0 <= m["env/all/reward/total"] <= 1.0 for m in metrics)
-
-
-def losses_trained(platform: Platform, tenant_id: str) -> set[str]:
-    """The loss_fn of every forward_backward the tenant had admitted."""
-    engine = db.connect(platform.database_url, pool_size=1)
-    try:
-        with engine.connect() as conn:
-            rows = conn.execute(
-                sa.select(events.c.data).where(
-                    events.c.tenant_id == tenant_id,
-                    events.c.type == "OperationRequested",
-                    events.c.data["type"].astext == "forward_backward",
-                )
-            ).scalars()
-            return {str(d["payload"]["loss_fn"]) for d in rows}
-    finally:
-        engine.dispose()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
