@@ -3,9 +3,9 @@ whose chat template renders tools (SmolLM2-135M-Instruct's weights with Qwen2.5'
 template, in the Hermes `<tool_call>` format). Its adapter is trained on one conversation
 whose reply is a call, with weight only on the reply's own tokens
 (`treadle.client.tool_calls.assistant_weights`); greedy chats from the live session then answer that call as `tool_calls` (finish_reason
-"tool_calls"), for tool_choice "auto", "required" and the named function; "none" answers text.
-Malformed tools, a tool_choice naming an unknown function and a streamed chat with tools are
-400s naming the parameter."""
+"tool_calls"), for tool_choice "auto", "required" and the named function, streamed or not
+(streamed: the call whole in the last chunk); "none" answers text. Malformed tools and a
+tool_choice naming an unknown function are 400s naming the parameter."""
 
 from __future__ import annotations
 
@@ -149,6 +149,27 @@ def test_the_trained_call_comes_back_as_tool_calls(
     assert json.loads(call.function.arguments) == {}
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_a_streamed_chat_with_tools_ends_with_the_same_answer(
+    client: openai.OpenAI, session: str, tool_choice: str
+) -> None:
+    whole = _chat(client, session, tools=TOOLS, tool_choice=tool_choice).choices[0]
+    content, calls, finish = "", [], None
+    for chunk in _chat(client, session, tools=TOOLS, tool_choice=tool_choice, stream=True):
+        [choice] = chunk.choices
+        content += choice.delta.content or ""
+        calls += choice.delta.tool_calls or []
+        finish = choice.finish_reason or finish
+    assert finish == whole.finish_reason
+    assert content == (whole.message.content or "")
+    expected = whole.message.tool_calls or []
+    assert [c.index for c in calls] == list(range(len(expected)))
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in expected
+    ]
+    assert calls  # the trained call, whole in the last chunk
+
+
 def test_tool_choice_none_answers_text(client: openai.OpenAI, session: str) -> None:
     choice = _chat(client, session, tools=TOOLS, tool_choice="none").choices[0]
     assert choice.finish_reason in ("stop", "length")
@@ -179,9 +200,8 @@ def test_a_conversation_with_the_call_and_its_result_is_served(
             "'nope', which is not among the tools",
         ),
         ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
-        ({"tools": TOOLS, "stream": True}, "stream", "streaming is not served with tools"),
     ],
-    ids=["malformed tool", "unknown function", "choice without tools", "stream"],
+    ids=["malformed tool", "unknown function", "choice without tools"],
 )
 def test_bad_tool_requests_are_400s_naming_the_parameter(
     client: openai.OpenAI, session: str, extra: dict[str, Any], param: str, message: str

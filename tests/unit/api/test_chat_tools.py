@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from treadle.api.chat.answers import Calls
+from treadle.api.chat.answers import Calls, HeldCalls
 from treadle.api.chat.schemas import ChatCompletionRequest, ParamError, parse
 from treadle.api.chat.serving import _prefill
 
@@ -120,3 +120,38 @@ def test_parallel_tool_calls_false_answers_the_first_call() -> None:
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
         {"city": "Paris"}
     ]
+
+
+def _streamed(hold: HeldCalls, pieces: list[str], finish: str) -> tuple[list[str], Any]:
+    sent = [hold.feed(piece) for piece in pieces]
+    return sent, hold.end(finish)
+
+
+def test_a_streamed_reply_holds_its_text_from_where_a_call_may_begin() -> None:
+    text = f"Let me look.\n{CALL}"
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # the mark comes in pieces
+    sent, (rest, calls, finish) = _streamed(HeldCalls(Calls([WEATHER])), pieces, "stop")
+    assert "".join(sent) == "Let me look.\n"  # nothing of the call went out as content
+    assert (rest, finish) == ("", "tool_calls")
+    [call] = calls
+    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
+    assert call["id"].startswith("call_") and call["type"] == "function"
+
+
+def test_a_streamed_reply_without_a_call_streams_all_its_text() -> None:
+    pieces = ["It is <", "b>sunny</b> and <tool", "_cal"]  # a mark that never completes
+    sent, (rest, calls, finish) = _streamed(HeldCalls(Calls([WEATHER])), pieces, "length")
+    assert "".join(sent) + rest == "".join(pieces)
+    assert sent[0] == "It is " and (calls, finish) == ([], "length")
+    text = "<tool_call>\n{not json}\n</tool_call>"  # a call that cannot be read: its text
+    sent, (rest, calls, finish) = _streamed(HeldCalls(Calls([WEATHER])), [text], "stop")
+    assert (sent, rest, calls, finish) == ([""], text, [], "stop")
+
+
+def test_a_streamed_reply_that_tool_choice_opens_holds_everything() -> None:
+    prefill = _prefill("required")
+    sent, (rest, calls, finish) = _streamed(
+        HeldCalls(Calls([WEATHER], prefill)), [CALL.removeprefix(prefill)], "stop"
+    )
+    assert sent == [""] and rest == "" and finish == "tool_calls"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}

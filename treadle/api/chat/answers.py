@@ -5,7 +5,8 @@ with its finish_reason (and whatever the final result holds beyond what was stre
 chunk if asked, and `data: [DONE]`. A client that goes away closes the generator: the sample is
 cancelled on the worker (`progress.cancel_streamed`) and, if still pending after a short grace,
 in the database. A chat offered tools (`Calls`) answers the calls read from its text as
-`tool_calls`, with finish_reason "tool_calls"; such a chat is never streamed.
+`tool_calls`, with finish_reason "tool_calls"; streamed, its text goes out as content until a
+call may have begun, and the calls go out whole at the end (`HeldCalls`).
 Imports platform and `treadle.client.tool_calls` only; never torch.
 """
 
@@ -64,6 +65,50 @@ class Calls:
                 "tool_calls": [call.to_openai() for call in calls]}, "tool_calls"  # fmt: skip
 
 
+class HeldCalls:
+    """One streamed choice of a chat offered tools. Its text streams as content until a call
+    may have begun (`MARK`, or the start of it at the end of the text so far; from the first
+    token when the reply opens inside a call); the rest is held to the end, where `end` gives
+    what is left of the content and the calls read from the whole text, each a whole
+    `tool_calls` delta (as OpenAI streams them, with its index), or, when none can be read, the
+    held text as content."""
+
+    MARK = "<tool_call>"
+
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+        self.text = ""
+        self.sent = 0  # characters of `text` streamed as content
+        self.holding = bool(calls.prefill)
+
+    def feed(self, text: str) -> str:
+        """The content that `text`, the choice's next text, lets stream now."""
+        self.text += text
+        if self.holding:
+            return ""
+        at = self.text.find(self.MARK, max(0, self.sent - len(self.MARK)))
+        if at >= 0:
+            self.holding, end = True, at
+        else:
+            end = len(self.text) - _partial_suffix(self.text, self.MARK)
+        delta, self.sent = self.text[self.sent : max(end, self.sent)], max(end, self.sent)
+        return delta
+
+    def end(self, finish: str) -> tuple[str, list[dict[str, Any]], str]:
+        """The content not streamed yet, the calls' `tool_calls` deltas and the finish_reason."""
+        message, finish = self.calls.message(self.text, finish)
+        content, streamed = message.get("content") or "", self.text[: self.sent]
+        rest = content[len(streamed) :] if content.startswith(streamed) else ""
+        deltas = [{"index": j} | call for j, call in enumerate(message.get("tool_calls", []))]
+        return rest, deltas, finish
+
+
+def _partial_suffix(text: str, mark: str) -> int:
+    """The length of the longest end of `text` that begins `mark` (0 if none)."""
+    return next((n for n in range(min(len(mark) - 1, len(text)), 0, -1)
+                 if mark.startswith(text[-n:])), 0)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Shape:
     model: str
@@ -75,7 +120,7 @@ class Shape:
     base_model: BaseModelInfo
     cache_dir: Path
     n: int = 1  # choices: a chat stream opens each with the assistant's role
-    calls: Calls | None = None  # a chat offered tools (never streamed)
+    calls: Calls | None = None  # a chat offered tools
 
     def _tok(self) -> Any:
         return openai_serving.tokenizer(self.base_model, self.cache_dir)
@@ -120,10 +165,12 @@ class Shape:
         return "stop" if seq.stop_reason == "stop" or decoder.stopped else "length"
 
     def _chunk(self, head: dict[str, Any], i: int, text: str, logprobs: Any,
-               finish: str | None) -> str:  # fmt: skip
+               finish: str | None, calls: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
         if self.chat:
-            choice = {"index": i, "delta": {"content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}  # fmt: skip
+            delta: dict[str, Any] = {"content": text}
+            if calls:  # as OpenAI streams a call: its whole delta, and content null
+                delta = {"content": text or None, "tool_calls": calls}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             kind = "chat.completion.chunk"
         else:
             choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -135,6 +182,7 @@ class Shape:
         """The SSE events of streamed request `request_id` (its Follow already entered)."""
         head, tok = self._head(), self._tok()
         decoders: dict[int, openai_serving.Decoder] = {}
+        held: dict[int, HeldCalls] = {}  # with tools: each choice's text until a call is read
         counts: dict[int, int] = {}  # tokens of each sample streamed (as text)
         scored: dict[int, int] = {}  # of which their logprobs were sent
         done = False
@@ -148,6 +196,8 @@ class Shape:
                 i, tokens = int(message["sample"]), list(message["tokens"])
                 decoder = decoders.setdefault(i, openai_serving.Decoder(tok, self.stop))
                 text = decoder.feed(tokens)
+                if self.calls is not None:
+                    text = held.setdefault(i, HeldCalls(self.calls)).feed(text)
                 # progress carries no alternatives: with top_logprobs, the last chunk has them all
                 logprobs = None if self.top_k else self._logprobs(tokens, message["logprobs"], None)
                 counts[i] = counts.get(i, 0) + len(tokens)
@@ -171,7 +221,12 @@ class Shape:
                 if start < len(seq.tokens):
                     logprobs = self._logprobs(seq.tokens[start:], seq.logprobs[start:],
                                               topk[start:] if topk else None)  # fmt: skip
-                yield self._chunk(head, i, text, logprobs, self._finish(seq, decoder))
+                finish, calls = self._finish(seq, decoder), None
+                if self.calls is not None:
+                    hold = held.setdefault(i, HeldCalls(self.calls))
+                    text = hold.feed(text)
+                    text, calls, finish = hold.end(finish)
+                yield self._chunk(head, i, text, logprobs, finish, calls)
             if include_usage:
                 usage = openai_serving.usage(self.prompt_tokens, result.sequences)
                 kind = "chat.completion.chunk" if self.chat else "text_completion"

@@ -52,12 +52,6 @@ def chat(body: ChatCompletionRequest, target: openai_models.Target) -> Any:
     cache_dir = services().config.cache_dir
     calls = None
     if tools:
-        if body.stream:
-            raise ParamError(
-                "streaming is not served with tools: send stream: false (or tool_choice: "
-                "'none', which offers no tools)",
-                "stream",
-            )
         openai_serving.call_format(model, cache_dir)
         calls = Calls(tools, _prefill(body.tool_choice), body.parallel_tool_calls)
     prefill = calls.prefill if calls else ""
