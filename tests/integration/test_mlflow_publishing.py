@@ -1,7 +1,7 @@
 """A platform whose operator configured MLflow (TREADLE_MLFLOW_TRACKING_URI) publishes each
 session's per-step figures to a run named after the session, on a real MLflow server; read back
 with MlflowClient they equal the figures recomputed here from the session's audit timeline and
-its usage rows."""
+its usage rows, and the run ends FINISHED when the session is stopped."""
 
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def test_each_sessions_steps_reach_its_mlflow_run_as_audited(
         svc.close("success").result()
 
     client = MlflowClient(tracking_uri=mlflow_uri)
-    run = published_run(client, model_id, steps=len(LEARNING_RATES))
+    run = published_run(client, model_id, steps=len(LEARNING_RATES), status="FINISHED")
+    assert run.info.end_time is not None
     assert run.info.run_name == model_id and run.data.params["base_model"] == "treadle/tiny-debug"
 
     timeline = AuditClient(tracked_platform.base_url, key).timeline(model_id)
@@ -124,16 +125,17 @@ def test_each_sessions_steps_reach_its_mlflow_run_as_audited(
         ], key_name
 
 
-def published_run(client: MlflowClient, model_id: str, *, steps: int) -> Any:
-    """The session's run once its `steps` steps are published (the publisher runs beside the
-    operations, so it may lag them a little)."""
+def published_run(client: MlflowClient, model_id: str, *, steps: int, status: str) -> Any:
+    """The session's run once its `steps` steps are published and its status is `status` (the
+    publisher runs beside the operations, so it may lag them a little)."""
     deadline = time.monotonic() + 120
     while True:
         runs = client.search_runs(
             [e.experiment_id for e in client.search_experiments()],
             f"tags.`treadle.session_id` = '{model_id}'",
         )
-        if runs and runs[0].data.tags.get("treadle.published_step") == str(steps):
+        published = runs and runs[0].data.tags.get("treadle.published_step") == str(steps)
+        if published and runs[0].info.status == status:
             return runs[0]
         assert time.monotonic() < deadline, f"{model_id}: not published in 120 s ({runs})"
         time.sleep(0.5)

@@ -311,6 +311,8 @@ class SessionHost:
         self._held.pop(session_id, None)
         if self.engine.has_adapter(session_id):
             self.engine.drop_adapter(session_id)
+        if self.publisher is not None:
+            self.publisher.session_left(session_id)
 
     def closing_interrupt(self) -> None:
         if self.closing.is_set():

@@ -6,7 +6,10 @@ notes the session and returns); the publisher's own thread then reads the sessio
 after the last step it published and logs the new steps to the session's run (named after the
 session, in the experiment `mlflow_experiment` names for its tenant). The run's tags hold how
 far it has been published (`treadle.published_*`), so a session that moves to another worker,
-or a worker that restarts, continues where the run stands. An MLflow server that fails is
+or a worker that restarts, continues where the run stands. When the worker lets a session go
+(`session_left`: stopped, or leased elsewhere), the publisher publishes what is left and, if the
+session has ended, ends its run with the status that says how (`END_STATUS`); a session that
+ended without a step gets no run. An MLflow server that fails is
 reported once (a warning) until it answers again; the sessions it missed are retried every
 `retry_seconds`, so nothing an operation waits for ever waits on MLflow.
 Imports nothing from api, engine, worker, flask or torch.
@@ -26,7 +29,7 @@ from treadle.platform.audit import audit, step_figures
 from treadle.platform.audit.step_figures import Cursor
 from treadle.platform.errors import NotFoundError
 from treadle.platform.eventlog.schema import usage
-from treadle.platform.sessions.sessions import SessionRow, get_session
+from treadle.platform.sessions.sessions import SessionRow, SessionStatus, get_session
 from treadle.platform.tenancy.tenants import Principal, Role
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,14 @@ CURSOR_TAGS = {
     "cost_micro_usd": "treadle.published_cost_micro_usd",
 }
 RETRY_SECONDS = 30.0
+# How an ended session's run ends: stopped by its client, given up for idleness, or stopped
+# because it could not be rebuilt or its replay diverged.
+END_STATUS = {
+    SessionStatus.STOPPED: "FINISHED",
+    SessionStatus.EXPIRED: "KILLED",
+    SessionStatus.FAILED: "FAILED",
+    SessionStatus.DIVERGED: "FAILED",
+}
 
 
 class MlflowPublisher:
@@ -66,6 +77,7 @@ class MlflowPublisher:
         self._wake = threading.Event()
         self._closed = False
         self._runs: dict[str, tuple[str, Cursor]] = {}  # session -> (run id, cursor)
+        self._ended: set[str] = set()  # runs this publisher ended (searches may lag)
         self._failing = False
         self._client: Any = None
         self._thread = threading.Thread(target=self._loop, name="mlflow-publisher", daemon=True)
@@ -76,6 +88,11 @@ class MlflowPublisher:
         with self._lock:
             self._due.add(session_id)
         self._wake.set()
+
+    def session_left(self, session_id: str) -> None:
+        """Note that the worker let `session_id` go: its run ends if the session has; returns
+        at once."""
+        self.step_settled(session_id)
 
     def close(self) -> None:
         self._closed = True
@@ -122,7 +139,10 @@ class MlflowPublisher:
             except NotFoundError:
                 log.info("session %s is gone: nothing of it to publish to MLflow", session_id)
                 return
-            run_id, cursor = self._runs.get(session_id) or self._run_of(session)
+            known = self._runs.get(session_id) or self._run_of(session, create=session.is_active)
+            if known is None:
+                return  # ended before any step: no run to publish to or end
+            run_id, cursor = known
             principal = Principal("mlflow-publisher", session.tenant_id, Role.MEMBER)
             rows: list[audit.TimelineRow] = []
             after = cursor.seq
@@ -148,9 +168,14 @@ class MlflowPublisher:
                 tags=[RunTag(CURSOR_TAGS[k], str(getattr(step.cursor, k))) for k in CURSOR_TAGS],
             )
             self._runs[session_id] = (run_id, step.cursor)
+        if not session.is_active:
+            self._client.set_terminated(run_id, END_STATUS[SessionStatus(session.status)])
+            self._runs.pop(session_id, None)
+            self._ended.add(run_id)
 
-    def _run_of(self, session: SessionRow) -> tuple[str, Cursor]:
-        """The session's run and how far it was published; created if there is none."""
+    def _run_of(self, session: SessionRow, *, create: bool) -> tuple[str, Cursor] | None:
+        """The session's run and how far it was published; created if there is none and
+        `create`. None for a run that has ended (nothing more goes to it) or none at all."""
         if self._client is None:
             # MLflow's client takes its retry policy from the environment only. Its default
             # (seven retries, two minutes apart at the end, each logged by urllib3) would hold
@@ -168,6 +193,8 @@ class MlflowPublisher:
         found = self._client.search_runs(
             [experiment_id], f"tags.`{SESSION_TAG}` = '{session.id}'", max_results=1
         )
+        if found and (found[0].info.status != "RUNNING" or found[0].info.run_id in self._ended):
+            return None
         if found:
             tags = found[0].data.tags
             cursor = Cursor(**{k: int(tags.get(tag, 0)) for k, tag in CURSOR_TAGS.items()})
