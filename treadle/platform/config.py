@@ -28,6 +28,7 @@ DEFAULT_MAX_LOADED_ADAPTERS = 4
 DEFAULT_MAX_LOADED_SNAPSHOTS = 16
 # Tokens of KV cache a worker's admission reserves for its sampler: 32 samples of 1,024 tokens.
 DEFAULT_SAMPLER_KV_TOKENS = 32768
+DEFAULT_WORKER_FREE_HEAP_BYTES = 4 * 2**30
 # Where a worker serves its Prometheus metrics (`treadle up` gives worker i this port + i).
 DEFAULT_WORKER_METRICS_PORT = 9101
 # SageMaker's SDK sends forwardBackward in chunks of about 10-12 MB (api/sagemaker).
@@ -104,6 +105,10 @@ class PlatformConfig:
     # Host memory a worker may use to load base models (0: the host's RAM); on a GPU worker
     # each rank reads the whole model into it first (platform/sessions/admission.py).
     worker_host_memory_bytes: int = 0
+    # Freed heap a worker keeps for its next passes before handing pages back to the OS
+    # (engine/memory/heap.py): a pass of the same size then reuses pages instead of faulting
+    # fresh ones in, at the cost of up to this much RSS beyond what the worker uses.
+    worker_free_heap_bytes: int = DEFAULT_WORKER_FREE_HEAP_BYTES
     # Tokens of KV cache admission reserves for a worker's sampler (per device), beside a
     # training pass: what the sessions a worker admits may sample at once. A reservation the
     # sample batch does not enforce yet (docs/operations.md, "Admission").
@@ -212,6 +217,9 @@ class PlatformConfig:
             pack_cpu_weights=env.get("TREADLE_PACK_CPU_WEIGHTS", "1") != "0",
             worker_model_memory_bytes=_whole(env, "TREADLE_WORKER_MODEL_MEMORY", 0),
             worker_host_memory_bytes=_whole(env, "TREADLE_WORKER_HOST_MEMORY", 0),
+            worker_free_heap_bytes=_whole(
+                env, "TREADLE_WORKER_FREE_HEAP", DEFAULT_WORKER_FREE_HEAP_BYTES
+            ),
             sampler_kv_tokens=_whole(env, "TREADLE_SAMPLER_KV_TOKENS", DEFAULT_SAMPLER_KV_TOKENS),
             sampler_backend=_sampler_backend(env),
             vllm_python=env.get("TREADLE_VLLM_PYTHON", ""),
@@ -266,6 +274,7 @@ class PlatformConfig:
             "TREADLE_PACK_CPU_WEIGHTS": "1" if self.pack_cpu_weights else "0",
             "TREADLE_WORKER_MODEL_MEMORY": str(self.worker_model_memory_bytes),
             "TREADLE_WORKER_HOST_MEMORY": str(self.worker_host_memory_bytes),
+            "TREADLE_WORKER_FREE_HEAP": str(self.worker_free_heap_bytes),
             "TREADLE_SAMPLER_KV_TOKENS": str(self.sampler_kv_tokens),
             "TREADLE_SAMPLER_BACKEND": self.sampler_backend,
             "TREADLE_VLLM_PYTHON": self.vllm_python,

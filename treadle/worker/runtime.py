@@ -85,7 +85,7 @@ def run_worker(
 ) -> None:
     """Run the worker `worker_id` until it is shut down: alone, or as rank 0 of `group`, whose
     other ranks follow its engine (`worker/launch.py`)."""
-    heap.keep_freed_pages()
+    heap.keep_freed_pages(keep=config.worker_free_heap_bytes)
     database = db.connect(config.database_url, pool_size=4)
     alone = new_engine(config, database, spill_dir=config.spill_dir(worker_id), group=group)
     engine: EngineAPI = alone if group is None else GroupExecutor(alone, group)

@@ -94,3 +94,27 @@ def test_free_pages_go_back_only_past_the_limit() -> None:
 def test_glibc_tunables_in_the_environment_win() -> None:
     assert not heap.keep_freed_pages({"MALLOC_MMAP_THRESHOLD_": "131072"})
     assert not heap.keep_freed_pages({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"})
+
+
+KEPT_AS_SET = """
+import sys
+import torch
+from treadle.engine.memory import heap
+def rss():
+    status = open("/proc/self/status").read()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+assert heap.keep_freed_pages({}, keep=int(sys.argv[1]))
+block = torch.empty(2**24, dtype=torch.float32).fill_(1.0)  # 64 MiB at the heap's top
+before = rss()
+del block  # glibc trims the top past the kept amount by itself
+print(before - rss(), heap.free_bytes(), heap.release_excess())
+"""
+
+
+def test_the_worker_keeps_the_free_heap_it_is_set_to() -> None:
+    """TREADLE_WORKER_FREE_HEAP reaches keep_freed_pages: under it a freed 64 MiB block stays
+    (and release_excess, by default, leaves it); over it the heap hands it back at once."""
+    dropped, free, released = _run(KEPT_AS_SET, str(2**28))  # 256 MiB kept
+    assert int(dropped) < 2**20 and int(free) >= 2**26 and released == "False"
+    dropped, free, released = _run(KEPT_AS_SET, str(2**20))  # 1 MiB kept
+    assert int(dropped) >= 2**26 - 2**20 and int(free) < 2**21 and released == "False"

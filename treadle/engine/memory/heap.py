@@ -1,9 +1,10 @@
 """The worker's C heap (glibc's malloc, under the CPU allocator's tensors): which blocks it maps
 on their own, and when its freed pages go back to the OS.
 
-`keep_freed_pages` (once, at the worker's start): every block comes from the heap, none is
-mapped on its own, and up to `TOP_KEEP_BYTES` freed at the heap's top stay there for the next
-allocation (glibc trims the top past that by itself). glibc's defaults map each block over 128 KiB on its own and unmap it when it is
+`keep_freed_pages` (once, at the worker's start, with how much free heap to keep: the worker's
+setting, `KEEP_FREE_BYTES` by default): every block comes from the heap, none is mapped on its
+own, and up to that much (at most `TOP_KEEP_BYTES`) freed at the heap's top stays there for the
+next allocation (glibc trims the top past that by itself). glibc's defaults map each block over 128 KiB on its own and unmap it when it is
 freed (raising that limit only to the largest block freed so far, and never past 32 MiB), so
 each of a pass's large tensors (a microbatch's logits and their gradients are 100 MB each on
 SmolLM2), a KV cache growing by a column each decoding step and each new batch's adapter
@@ -11,7 +12,7 @@ stacks were fresh pages, each faulted in by the kernel: a few microseconds a pag
 machine, a third of a `forward_backward`'s time (docs/benchmarks.md, "The worker's heap").
 
 `release_excess` (after large passes and page-outs) hands the free pages back once the heap
-holds more than `KEEP_FREE_BYTES` of them: the next pass of the same size reuses what the last
+holds more than the kept amount of them: the next pass of the same size reuses what the last
 one freed, and the heap cannot keep more than that much beyond what is in use, so a limit on
 memory still shows in the worker's RSS. Both are no-ops where the C library is not glibc.
 Must not import flask, sqlalchemy, celery or treadle.api.
@@ -57,12 +58,19 @@ def _libc() -> ctypes.CDLL | None:
 _LIBC = _libc()
 
 
-def keep_freed_pages(environ: Mapping[str, str] = os.environ) -> bool:
-    """Serve every block from the heap and keep freed pages there (see above), unless `environ`
-    sets glibc's malloc tunables (`GLIBC_TUNABLES`, `MALLOC_*_`), which win; True if set."""
+_kept = KEEP_FREE_BYTES  # what release_excess keeps by default: keep_freed_pages's `keep`
+
+
+def keep_freed_pages(environ: Mapping[str, str] = os.environ, keep: int = KEEP_FREE_BYTES) -> bool:
+    """Serve every block from the heap and keep up to `keep` bytes of freed pages there (see
+    above), unless `environ` sets glibc's malloc tunables (`GLIBC_TUNABLES`, `MALLOC_*_`), which
+    win; True if set."""
+    global _kept
+    _kept = keep
     if _LIBC is None or any(k == "GLIBC_TUNABLES" or k.startswith("MALLOC_") for k in environ):
         return False
-    return bool(_LIBC.mallopt(_M_MMAP_MAX, 0) and _LIBC.mallopt(_M_TRIM_THRESHOLD, TOP_KEEP_BYTES))
+    top = min(keep, TOP_KEEP_BYTES)
+    return bool(_LIBC.mallopt(_M_MMAP_MAX, 0) and _LIBC.mallopt(_M_TRIM_THRESHOLD, top))
 
 
 def free_bytes() -> int:
@@ -71,12 +79,12 @@ def free_bytes() -> int:
     return 0 if _LIBC is None else int(_LIBC.mallinfo2().fordblks)
 
 
-def release_excess(keep: int = KEEP_FREE_BYTES) -> bool:
-    """Hand every free page back to the OS if the heap holds more than `keep` bytes free;
-    True if it did. The CPU allocator returns a freed tensor to glibc's heap, which keeps its
+def release_excess(keep: int | None = None) -> bool:
+    """Hand every free page back to the OS if the heap holds more than `keep` bytes free (None:
+    what `keep_freed_pages` was given); True if it did. The CPU allocator returns a freed tensor to glibc's heap, which keeps its
     pages mapped for reuse; past `keep` they would only hold memory the worker may need for
     sessions, so `malloc_trim` releases them."""
-    if _LIBC is None or free_bytes() <= keep:
+    if _LIBC is None or free_bytes() <= (_kept if keep is None else keep):
         return False
     _LIBC.malloc_trim(0)
     return True
