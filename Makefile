@@ -7,8 +7,11 @@ STAMP  := $(VENV)/.installed
 # whole on one process, so a module's fixtures start once. Most tests wait on processes they
 # started (platforms, servers, lease timeouts), so two keep a 2-core machine busy. The 25
 # slowest steps are listed at the end, so a run that nears CI's limit says where its time went.
+# A test process that dies (killed for memory, or by the time limit) ends the run, named in its
+# summary: pytest-xdist's replacement for it was seen to leave the run waiting until CI's limit.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 \
+	--max-worker-restart=0
 
 .PHONY: demo test test-fast test-integration check bench install prometheus vllm clean
 
