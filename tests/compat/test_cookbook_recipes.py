@@ -31,7 +31,8 @@ from treadle import cookbook
 from treadle.client.admin import AdminClient
 from treadle.platform.models import catalog
 
-pytestmark = pytest.mark.integration
+# a recipe run, not a services test: make test runs it, .ci/run's second pass does not
+pytestmark = pytest.mark.recipes
 
 TINY = catalog.TINY_DEBUG_NAME
 
