@@ -132,7 +132,7 @@ class SessionHost:
                     self.on_not_holder(session_id, request_id)
                 return
             if not session.is_active:
-                self._discard(session_id)
+                self._let_go(session_id)
                 return
             try:
                 if op is not None and op.sampler_id is not None:
@@ -157,7 +157,7 @@ class SessionHost:
 
     def stop(self, session_id: str) -> None:
         with self._locks[session_id]:
-            self._discard(session_id)
+            self._let_go(session_id)
 
     def forget_all_but(self, mine: set[str]) -> None:
         """Free the adapters of sessions this worker no longer hosts (stopped, or leased to
@@ -169,7 +169,7 @@ class SessionHost:
             lock = self._locks[session_id]
             if lock.acquire(blocking=False):
                 try:
-                    self._discard(session_id)
+                    self._let_go(session_id)
                 finally:
                     lock.release()
 
@@ -311,6 +311,11 @@ class SessionHost:
         self._held.pop(session_id, None)
         if self.engine.has_adapter(session_id):
             self.engine.drop_adapter(session_id)
+
+    def _let_go(self, session_id: str) -> None:
+        """The session is not this worker's to run any more (stopped, ended, leased elsewhere):
+        forget it, and let the MLflow publisher end its run if the session has ended."""
+        self._discard(session_id)
         if self.publisher is not None:
             self.publisher.session_left(session_id)
 
@@ -535,6 +540,8 @@ class SessionHost:
             )
         for request_id in failed:
             notify.publish_done(self.redis, request_id)
+        if self.publisher is not None:
+            self.publisher.session_left(session_id)  # its run ends FAILED
 
 
 def _training_op_at(

@@ -72,7 +72,8 @@ class MlflowPublisher:
         self.experiment = experiment  # "{tenant}" is replaced by the session's tenant id
         self.retry_seconds = retry_seconds
         self._due: set[str] = set()
-        self._retry: set[str] = set()
+        self._left: set[str] = set()  # let go by the worker: published only if ended
+        self._retry: dict[str, bool] = {}  # session -> whether only if ended (as it came)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -90,9 +91,12 @@ class MlflowPublisher:
         self._wake.set()
 
     def session_left(self, session_id: str) -> None:
-        """Note that the worker let `session_id` go: its run ends if the session has; returns
-        at once."""
-        self.step_settled(session_id)
+        """Note that the worker let `session_id` go: if the session has ended, what is left is
+        published and its run ends (one still running, leased elsewhere, is its new holder's
+        to publish); returns at once."""
+        with self._lock:
+            self._left.add(session_id)
+        self._wake.set()
 
     def close(self) -> None:
         self._closed = True
@@ -103,15 +107,17 @@ class MlflowPublisher:
             self._wake.wait(self.retry_seconds if self._retry else None)
             self._wake.clear()
             with self._lock:
-                due, self._due = self._due | self._retry, set()
-            self._retry = set()
-            for session_id in sorted(due):
+                retry, self._retry = self._retry, {}
+                due = self._due | {k for k, only in retry.items() if not only}
+                left = (self._left | {k for k, only in retry.items() if only}) - due
+                self._due, self._left = set(), set()
+            for session_id in sorted(due | left):
                 if self._closed:
                     return
                 try:
-                    self._publish(session_id)
+                    self._publish(session_id, only_if_ended=session_id in left)
                 except Exception as exc:  # whatever MLflow or the network does, retried later
-                    self._retry.add(session_id)
+                    self._retry[session_id] = session_id in left
                     self._report(exc)
                 else:
                     if self._failing:
@@ -130,7 +136,7 @@ class MlflowPublisher:
             self.retry_seconds,
         )  # fmt: skip
 
-    def _publish(self, session_id: str) -> None:
+    def _publish(self, session_id: str, *, only_if_ended: bool = False) -> None:
         from mlflow.entities import Metric, RunTag
 
         with db.reading(self.db) as conn:
@@ -138,6 +144,8 @@ class MlflowPublisher:
                 session = get_session(conn, None, session_id)
             except NotFoundError:
                 log.info("session %s is gone: nothing of it to publish to MLflow", session_id)
+                return
+            if only_if_ended and session.is_active:
                 return
             known = self._runs.get(session_id) or self._run_of(session, create=session.is_active)
             if known is None:
