@@ -34,7 +34,12 @@ from treadle.client.billing import BillingClient
 from treadle.client.checkpoints import CheckpointsClient
 from treadle.platform import db
 
-pytestmark = pytest.mark.integration
+# The example samples up to 512 tokens (the least the SageMaker API takes), and SmolLM2 often
+# writes them all: about 6 minutes on this CPU alone, and past pytest's 10-minute limit with
+# another test process beside it. The run has a limit of its own, under this one, so a run that
+# is too slow fails here instead of ending the test process.
+EXAMPLE_TIMEOUT_S = 1100
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 300)]
 
 EXAMPLE = Path(__file__).with_name("sagemaker_gsm8k.py")
 BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -63,7 +68,7 @@ def run(platform: Platform, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         env=env,
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=EXAMPLE_TIMEOUT_S,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     report: dict[str, Any] = json.loads(report_path.read_text())
