@@ -86,12 +86,13 @@ class HeldCalls:
         self.text += text
         if self.holding:
             return ""
-        at = self.text.find(self.MARK, max(0, self.sent - len(self.MARK)))
+        # nothing before `sent` can begin a call: a possible start of one is never sent
+        at = self.text.find(self.MARK, self.sent)
         if at >= 0:
             self.holding, end = True, at
         else:
             end = len(self.text) - _partial_suffix(self.text, self.MARK)
-        delta, self.sent = self.text[self.sent : max(end, self.sent)], max(end, self.sent)
+        delta, self.sent = self.text[self.sent : end], end
         return delta
 
     def end(self, finish: str) -> tuple[str, list[dict[str, Any]], str]:
