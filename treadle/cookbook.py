@@ -4,7 +4,8 @@ The cookbook refuses a model its own table (`tinker_cookbook.model_info`) does n
 any request ("ConfigurationError: Unknown model"), and loads tokenizers from the hub. `register()`
 adds Treadle's catalogue models to the cookbook: their attributes and recommended renderer, a
 renderer for SmolLM2's chat template (ChatML, token for token), and tokenizers fetched from the
-platform (`GET /api/v1/treadle/tokenizer`), so no hub access is needed. The runner registers,
+platform (`GET /api/v1/treadle/tokenizer`), so no hub access is needed; and the vision-language
+models the platform serves, with their image processors (recipes such as vlm_classifier). The runner registers,
 then runs a recipe's module as `__main__` with the remaining arguments
 (docs/tinker-compatibility.md, "Cookbook"):
 
@@ -29,12 +30,14 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+import httpx
+
 from treadle.client.service import turn_off_sdk_telemetry
-from treadle.client.tokenizer import fetch_tokenizer
+from treadle.client.tokenizer import fetch_image_processor, fetch_tokenizer
 
 try:
     import tinker
-    from tinker_cookbook import model_info, renderers, tokenizer_utils
+    from tinker_cookbook import image_processing_utils, model_info, renderers, tokenizer_utils
     from tinker_cookbook.renderers.base import (
         Message,
         ParseTermination,
@@ -61,6 +64,8 @@ __all__ = [
 ]
 
 SMOLLM2_RENDERER = "treadle/smollm2"
+# The cookbook's renderers for the vision-language families Treadle serves, by model_type.
+VISION_RENDERERS = {"qwen3_vl": ("qwen3_vl_instruct", "qwen3_vl")}
 USAGE = (
     "usage: python -m treadle.cookbook <recipe module> [recipe arguments ...]\n"
     "  e.g. python -m treadle.cookbook tinker_cookbook.recipes.math_rl.train env=arithmetic "
@@ -164,6 +169,68 @@ def register(base_url: str | None, api_key: str | None) -> None:
             model.name, _tokenizer_factory(base_url, api_key, model.name)
         )
     _add_model_attributes({m.name: m.attributes for m in MODELS})
+    _add_vision_models(base_url, api_key)
+
+
+def _add_vision_models(base_url: str | None, api_key: str | None) -> None:
+    """The vision-language models the platform serves (GET /api/v1/treadle/base_models): their
+    tokenizers and image processors fetched from it (`preprocessor_config.json` comes with the
+    tokenizer's files), and for a name the cookbook's table does not know, its attributes
+    (`is_vl`, the cookbook's renderer for its family). Nothing where the platform cannot be
+    asked: the recipe's first request then says what is wrong."""
+    if not base_url or not api_key:
+        return
+    try:
+        response = httpx.get(
+            f"{base_url.rstrip('/')}/api/v1/treadle/base_models",
+            headers={"X-API-Key": api_key},
+            timeout=30,
+        )
+        response.raise_for_status()
+        served = response.json()["base_models"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return
+    vision = {
+        m["name"]: m for m in served if m.get("vision") and m.get("model_type") in VISION_RENDERERS
+    }
+    known: dict[str, model_info.ModelAttributes] = {}
+    for name, entry in vision.items():
+        tokenizer_utils.register_tokenizer(name, _tokenizer_factory(base_url, api_key, name))
+        try:
+            model_info.get_model_attributes(name)
+        except Exception:  # noqa: BLE001 - the cookbook raises its own ConfigurationError
+            organization, _, short = name.rpartition("/")
+            known[name] = model_info.ModelAttributes(
+                organization=organization or "treadle",
+                version_str="",
+                size_str=short,
+                is_chat=True,
+                recommended_renderers=VISION_RENDERERS[entry["model_type"]],
+                is_vl=True,
+            )
+    _add_model_attributes(known)
+    _serve_image_processors(base_url, api_key, set(vision))
+
+
+def _serve_image_processors(base_url: str, api_key: str, names: set[str]) -> None:
+    """Make `image_processing_utils.get_image_processor` fetch `names`' processors from the
+    platform (the cookbook loads them from the hub), and answer as before for the rest."""
+    current = image_processing_utils.get_image_processor
+    served: set[str] | None = getattr(current, "treadle_models", None)
+    if served is not None:  # registered before: extend the set, do not wrap twice
+        served.update(names)
+        return
+
+    @cache
+    def get_image_processor(model_name: str) -> Any:
+        name = model_name.split(":", 1)[0]
+        if name in table:
+            return fetch_image_processor(base_url.rstrip("/"), api_key, name)
+        return current(model_name)
+
+    table = set(names)
+    get_image_processor.treadle_models = table  # type: ignore[attr-defined]
+    image_processing_utils.get_image_processor = get_image_processor
 
 
 def _tokenizer_factory(

@@ -25,6 +25,7 @@ import datasets
 import pytest
 from datasets.packaged_modules.parquet.parquet import Parquet
 
+from tests import vision_models
 from tests.compat.cookbook_runs import jsonl, requested, run_recipe
 from tests.conftest import Platform
 from treadle import cookbook
@@ -79,17 +80,30 @@ def test_sdft_distils_from_teacher_top_k_targets(platform: Platform, tmp_path: P
             assert datum["loss_fn_inputs"]["weights"]["shape"] == targets["shape"]
 
 
-def hub_dataset_cache(hf_home: Path, repo_id: str, rows: list[dict[str, Any]]) -> None:
-    """Put `rows` in `hf_home`'s datasets cache as the prepared train split of `repo_id`, where
-    `datasets.load_dataset(repo_id)` finds it with the hub switched off (HF_HUB_OFFLINE=1)."""
-    source = hf_home / f"{repo_id.replace('/', '--')}.parquet"
-    source.parent.mkdir(parents=True, exist_ok=True)
-    datasets.Dataset.from_list(rows).to_parquet(str(source))
+def hub_dataset_cache(
+    hf_home: Path,
+    repo_id: str,
+    rows: list[dict[str, Any]],
+    *,
+    test_rows: list[dict[str, Any]] | None = None,
+    features: datasets.Features | None = None,
+) -> None:
+    """Put `rows` (and `test_rows`) in `hf_home`'s datasets cache as the prepared train (and
+    test) split of `repo_id`, with `features` where given, where `datasets.load_dataset(repo_id)`
+    finds it with the hub switched off (HF_HUB_OFFLINE=1)."""
+    files = {}
+    for split, split_rows in (("train", rows), ("test", test_rows)):
+        if split_rows is None:
+            continue
+        source = hf_home / f"{repo_id.replace('/', '--')}-{split}.parquet"
+        source.parent.mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_list(split_rows, features=features).to_parquet(str(source))
+        files[split] = str(source)
     cache = hf_home / "datasets"
     namespace, name = repo_id.split("/")
     builder = Parquet(
-        cache_dir=str(cache), dataset_name=name, config_name="default",
-        data_files={"train": str(source)},
+        cache_dir=str(cache), dataset_name=name, config_name="default", data_files=files,
+        features=features,
     )  # fmt: skip
     builder.download_and_prepare()
     prepared = Path(builder.cache_dir)  # <cache>/<name>/default-<hash>/0.0.0
@@ -184,3 +198,55 @@ def test_decisions_forecasting_trains_a_brier_loss_on_choice_probabilities(
         for datum in fb["data"]:
             targets = datum["loss_fn_inputs"]["target_tokens"]
             assert len(targets["shape"]) == 2 and targets["shape"][1] == 2  # Yes / No
+
+
+VL_MODEL = "Qwen/Qwen3-VL-8B-Instruct"  # a dense Qwen3-VL, the architecture of the tiny one
+CLASSES = ["cat", "dog", "red_car"]
+
+
+def test_vlm_classifier_trains_on_images_and_samples_from_them(
+    platform: Platform, tmp_path: Path
+) -> None:
+    """vlm_classifier (dataset caltech101) on a tiny random Qwen3-VL registered under the name
+    of a dense Qwen3-VL: its images reach the platform as ImageChunks in training datums and in
+    its sampling evaluator's prompts."""
+    admin = AdminClient(platform.base_url, platform.admin_key)
+    try:
+        if VL_MODEL not in {m["name"] for m in admin.list_models(include_retired=True)}:
+            folder = vision_models.vl_folder(tmp_path / "qwen3-vl")
+            admin.register_model(VL_MODEL, path=str(folder))
+    finally:
+        admin.close()
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)}
+    )
+
+    def row(seed: int) -> dict[str, Any]:
+        size = (48 + 8 * (seed % 3), 64 - 8 * (seed % 2))
+        return {"image": {"bytes": vision_models.image_bytes(*size, seed=seed), "path": None},
+                "label": seed % len(CLASSES)}  # fmt: skip
+
+    hub_dataset_cache(
+        tmp_path / "hf-home", "dpdl-benchmark/caltech101", [row(i) for i in range(4)],
+        test_rows=[row(10 + i) for i in range(3)], features=features,
+    )  # fmt: skip
+    tenant_id, key = tenant(platform, "vlm")
+    experiments = tmp_path / "vlm"
+    run_recipe(
+        platform, key, tmp_path, "tinker_cookbook.recipes.vlm_classifier.train",
+        f"experiment_dir={experiments}", f"model_name={VL_MODEL}",
+        "renderer_name=qwen3_vl_instruct", "dataset=caltech101", "lora_rank=4", "batch_size=2",
+        "num_epochs=1", "max_steps=2", "eval_every=2", "save_every=0", "n_eval=2",
+        "max_tokens=8", "behavior_if_log_dir_exists=delete",
+    )  # fmt: skip
+    (log,) = experiments.iterdir()
+    steps = [m for m in jsonl(log / "metrics.jsonl") if "train_mean_nll" in m]
+    assert [m["step"] for m in steps] == [0, 1]
+    trained = requested(platform, tenant_id, "forward_backward")
+    assert len(trained) == 2 and all(len(fb["data"]) == 2 for fb in trained)
+    for fb in trained:
+        for datum in fb["data"]:
+            (image,) = datum["images"]
+            assert image["format"] == "jpeg" and image["tokens"] > 0
+    sampled = requested(platform, tenant_id, "sample")
+    assert sampled and all(len(s["images"]) == 1 for s in sampled)

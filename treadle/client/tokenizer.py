@@ -27,6 +27,22 @@ def fetch_tokenizer(base_url: str, api_key: str, base_model: str) -> Any:
     """The base model's tokenizer (a transformers PreTrainedTokenizerFast)."""
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(tokenizer_folder(base_url, api_key, base_model)))
+
+
+def fetch_image_processor(base_url: str, api_key: str, base_model: str) -> Any:
+    """A vision-language base model's image processor (saved beside its tokenizer: the server
+    sends its `preprocessor_config.json` with the tokenizer's files)."""
+    from transformers import AutoImageProcessor
+
+    folder = tokenizer_folder(base_url, api_key, base_model)
+    if not (folder / "preprocessor_config.json").is_file():
+        raise ValueError(f"{base_model} has no image processor: it is not a vision-language model")
+    return AutoImageProcessor.from_pretrained(str(folder))
+
+
+def tokenizer_folder(base_url: str, api_key: str, base_model: str) -> Path:
+    """The folder of the base model's tokenizer files, fetched once into the client cache."""
     key = hashlib.sha256(f"{base_url}|{base_model}".encode()).hexdigest()[:16]
     folder = cache_root() / "tokenizers" / key
     if not (folder / "tokenizer.json").exists():
@@ -45,4 +61,4 @@ def fetch_tokenizer(base_url: str, api_key: str, base_model: str) -> Any:
             tmp.rename(folder)
         except OSError:  # another process cached it first
             shutil.rmtree(tmp, ignore_errors=True)
-    return AutoTokenizer.from_pretrained(str(folder))
+    return folder

@@ -50,7 +50,7 @@ from treadle.engine.losses.sampler_kl import kl_sample_train
 from treadle.engine.memory import fingerprint
 from treadle.engine.memory.capacity import device_memory_in_use
 from treadle.engine.memory.paging import Paging
-from treadle.engine.models import determinism
+from treadle.engine.models import determinism, vision
 from treadle.engine.models.loading import load_base_model, load_deferred, serving_dir
 from treadle.engine.models.threads import threads_for
 from treadle.engine.models.weight_files import WeightFiles
@@ -361,6 +361,9 @@ class Engine:
                     config=config,
                     model_name=name,
                 )
+            for i, (datum, datum_arrays) in enumerate(zip(data, arrays, strict=True)):
+                if datum.images:
+                    datum_arrays.update(_pixels(base.info, datum.images, f"datum {i}"))
             budget = pass_tokens or self._pass_budget(base)
             outputs, total = training.forward_backward(
                 base,
@@ -531,6 +534,11 @@ class Engine:
         but the snapshot table's own (`Snapshots`): it runs while a training call holds the
         engine's (`samples_beside_training`); the batch's base model is loaded already."""
         snap = self._snapshot_of(request)
+        if request.images:
+            raise ValidationError(
+                "this worker samples with vLLM, which Treadle does not give images yet; sample "
+                "image prompts on a worker with the reference sampler (TREADLE_SAMPLER unset)"
+            )
         job = self._job(request, None)
         if snap is None:
             return job, BASE_ADAPTER, self._zero[request.base_model]
@@ -576,6 +584,7 @@ class Engine:
             scoring=request.scoring,
             topk_sample_logprobs=request.topk_sample_logprobs,
         )
+        pixels = _pixels(base.info, request.images, "prompt") if request.images else None
         return SampleJob(
             tokens,
             request.num_samples,
@@ -584,6 +593,7 @@ class Engine:
             request.topk_sample_logprobs,
             weights,
             request.interrupt,
+            pixels,
         )
 
     # -- files (formats in `adapter_files`) -----------------------------------------------------
@@ -786,3 +796,12 @@ class SampleBatch:
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32, copy=True).numpy()
+
+
+def _pixels(
+    info: BaseModelInfo, images: Sequence[vision.EngineImage], where: str
+) -> dict[str, np.ndarray]:
+    """A datum's or prompt's images as its model's processor makes them (`vision.pixel_arrays`)."""
+    if info.vision is None or info.path is None:
+        raise ValidationError(f"{where}: {info.name} is a text-only model; it takes no images")
+    return vision.pixel_arrays(vision.image_processor(info.path), images, where)

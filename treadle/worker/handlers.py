@@ -11,6 +11,7 @@ never api.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from treadle.engine import (
     DimuonSpec,
     EngineAPI,
     EngineDatum,
+    EngineImage,
     Interrupt,
     LoraSpec,
     PromptScoring,
@@ -154,6 +156,7 @@ def forward_backward(call: Call, p: ForwardBackward) -> Outcome:
             sampled_targets=None
             if d.sampled_targets is None
             else np.asarray(d.sampled_targets, bool),
+            images=_images(d.images),
         )
         for d in p.data
     ]
@@ -257,6 +260,14 @@ def sample_request(call: Call, p: Sample) -> SampleRequest:
         scoring,
         p.topk_sample_logprobs,
         call.interrupt,
+        _images(p.images),
+    )
+
+
+def _images(images: list[optypes.Image] | None) -> tuple[EngineImage, ...]:
+    """A datum's or prompt's logged images as the engine takes them (the bytes decoded)."""
+    return tuple(
+        EngineImage(i.at, i.tokens, i.format, base64.b64decode(i.data)) for i in images or ()
     )
 
 

@@ -97,14 +97,20 @@ def test_glibc_tunables_in_the_environment_win() -> None:
 
 
 KEPT_AS_SET = """
-import sys
-import torch
+import os, sys
 from treadle.engine.memory import heap
+# read without allocating from the C heap: a buffer left above the block would keep glibc
+# from trimming the heap's top when the block is freed
+status, buf = os.open("/proc/self/status", os.O_RDONLY), bytearray(8192)
 def rss():
-    status = open("/proc/self/status").read()
-    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+    n = os.preadv(status, [buf], 0)
+    at = buf.find(b"VmRSS:", 0, n)
+    return int(bytes(buf[at + 6 : buf.find(b"kB", at, n)])) * 1024
 assert heap.keep_freed_pages({}, keep=int(sys.argv[1]))
-block = torch.empty(2**24, dtype=torch.float32).fill_(1.0)  # 64 MiB at the heap's top
+# 64 MiB at the heap's top, and nothing of the C heap above it: a tensor's would not do, as
+# torch allocates its bookkeeping after its data, and those small blocks, freed into glibc's
+# per-thread cache, stay above it
+block = bytearray(2**26)
 before = rss()
 del block  # glibc trims the top past the kept amount by itself
 print(before - rss(), heap.free_bytes(), heap.release_excess())

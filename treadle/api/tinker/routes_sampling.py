@@ -14,11 +14,13 @@ from flask import Blueprint, jsonify
 from treadle.api.admission import submit
 from treadle.api.body import parse
 from treadle.api.context import json_body, principal, services
-from treadle.api.tinker.schemas import CreateSamplingSession, PromptIdTable, Sample
+from treadle.api.tinker.schemas import Chunk, CreateSamplingSession, PromptIdTable, Sample
 from treadle.platform.checkpoints import age_encryption, publishing
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
-from treadle.platform.models import validation
+from treadle.platform.models import validation, vision
+from treadle.platform.models.catalog import BaseModelInfo
+from treadle.platform.models.vision import IMAGE_PLACEHOLDER
 from treadle.platform.operations import commands, operations, recorded_samples
 from treadle.platform.sessions import sessions as sessions_core
 
@@ -103,18 +105,12 @@ def asample() -> Any:
         raise ValidationError(
             f"topk_prompt_logprobs must be at most {validation.MAX_TOPK_LOGPROBS}"
         )
-    tokens: list[int] = []
-    for chunk in body.prompt.chunks:
-        if chunk.type != "encoded_text":
-            raise ValidationError(
-                f"prompt has a {chunk.type} chunk; only encoded_text is supported"
-            )
-        tokens.extend(chunk.tokens)
     params = body.sampling_params
     max_tokens = params.max_tokens or DEFAULT_MAX_TOKENS
     with services().db.connect() as conn:
         sampler = sessions_core.get_sampler(conn, principal(), body.sampling_session_id)
     model = services().models.get(sampler.base_model)
+    tokens, images = _prompt(body.prompt.chunks, model)
     validation.validate_prompt(tokens, model, max_tokens)
     targets = body.target_prompt_logprobs
     validation.validate_prompt_scoring(
@@ -147,6 +143,7 @@ def asample() -> Any:
         prompt_alt_tokens_k=body.prompt_alt_tokens_k,
         topk_sample_logprobs=body.topk_sample_logprobs,
         record_stability_info=bool(body.record_stability_info),
+        images=images,
     )
     with_request = None
     if payload.record_stability_info:
@@ -170,6 +167,34 @@ def asample() -> Any:
         request_id=admission.request_id,
         sample_sequence_ids=[f"{admission.request_id}:{i}" for i in range(body.num_samples)],
     )
+
+
+def _prompt(
+    chunks: list[Chunk], model: BaseModelInfo
+) -> tuple[list[int], list[optypes.Image] | None]:
+    """The prompt's tokens, each image's tokens among them (its placeholders made the model's
+    image token: `vision.place_images`), and its images as the payload records them."""
+    tokens: list[int] = []
+    images: list[dict[str, Any]] = []
+    for chunk in chunks:
+        if chunk.type == "image":
+            if chunk.data is None or chunk.format is None:
+                raise ValidationError("prompt: an image chunk needs data (base64) and format")
+            images.append(
+                {"at": len(tokens), "format": chunk.format, "data": chunk.data,
+                 "expected_tokens": chunk.expected_tokens}
+            )  # fmt: skip
+            tokens += [IMAGE_PLACEHOLDER] * (chunk.expected_tokens or 0)
+        elif chunk.type == "encoded_text":
+            tokens.extend(chunk.tokens)
+        else:
+            raise ValidationError(
+                f"prompt has a {chunk.type} chunk; this server takes encoded_text and image chunks"
+            )
+    if not images and model.vision is None:
+        return tokens, None
+    tokens, placed = vision.place_images("prompt", tokens, images, model.vision, model.name)
+    return tokens, [optypes.Image.model_validate(p) for p in placed] or None
 
 
 def _prompt_targets(table: PromptIdTable) -> optypes.PromptTargets:

@@ -21,7 +21,7 @@ from treadle.api.tinker.wire import decode_forward_backward
 from treadle.platform.billing import prices
 from treadle.platform.errors import ValidationError
 from treadle.platform.eventlog import optypes
-from treadle.platform.models import custom_losses, validation
+from treadle.platform.models import custom_losses, validation, vision
 from treadle.platform.operations import commands, operations, recorded_samples
 from treadle.platform.sessions import sessions as sessions_core
 
@@ -107,6 +107,14 @@ def forward_backward() -> Any:
     if decoded["seq_id"] < 1:
         raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
     model = services().models.get(base_model_of(model_id))
+    for i, datum in enumerate(payload["data"]):
+        images = datum.pop("images", [])
+        if images or model.vision is not None:
+            datum["tokens"], placed = vision.place_images(
+                f"datum {i}", datum["tokens"], images, model.vision, model.name
+            )
+            if placed:
+                datum["images"] = placed
     with_request = None
     if payload["loss_fn"] == "custom":  # create_custom_loss's: its content goes into the event
         if decoded["loss_id"] is None:

@@ -38,6 +38,7 @@ from treadle.platform.models.validation import (
     MIN_TEMPERATURE,
     MIN_TOP_P,
 )
+from treadle.platform.models.vision import MAX_IMAGE_BYTES
 
 MAX_DETAIL_LENGTH = 4096
 
@@ -234,8 +235,14 @@ class CreateSamplingSession(Body):
 
 
 class Chunk(Body):
+    """An encoded_text chunk (`tokens`) or an image chunk (`data`: the file, base64; `format`;
+    `expected_tokens`, optional in a prompt), as the tinker SDK sends ModelInput's chunks."""
+
     type: Id = "encoded_text"
     tokens: list[int] = Field(default_factory=list)
+    data: str | None = Field(None, max_length=MAX_IMAGE_BYTES * 4 // 3 + 4)
+    format: Id | None = None
+    expected_tokens: int | None = Field(None, ge=1, le=MAX_ID)
 
 
 class ModelInput(Body):

@@ -36,6 +36,7 @@ from treadle.platform.models.validation import (
     MAX_VALUES_PER_TOKEN,
     SPARSE_VALUE_ALLOWANCE,
 )
+from treadle.platform.models.vision import IMAGE_PLACEHOLDER
 
 if TYPE_CHECKING:  # the SDK's copy of the module, for its type stubs
     from tinker.proto import tinker_public_pb2 as pb
@@ -217,16 +218,25 @@ class _Budget:
 
 def _datum(index: int, d: pb.Datum, budget: _Budget) -> dict[str, Any]:
     parts: list[np.ndarray[Any, Any]] = []
+    images: list[dict[str, Any]] = []
+    at = 0
     for chunk in d.model_input:
         kind = chunk.WhichOneof("chunk")
+        if kind == "image":
+            image = _image(index, chunk.image, at)
+            images.append(image)
+            parts.append(np.full(image["expected_tokens"], IMAGE_PLACEHOLDER, np.int64))
+            at += image["expected_tokens"]
+            continue
         if kind != "encoded_text":
             raise ValidationError(
-                f"datum {index}: model_input has a {kind} chunk; only encoded_text (token) chunks "
-                "are supported by this server"
+                f"datum {index}: model_input has a {kind} chunk; this server takes encoded_text "
+                "(token) chunks and image chunks"
             )
         parts.append(
             _array(f"datum {index}: model_input tokens", chunk.encoded_text.tokens, _TOKEN)
         )
+        at += len(parts[-1])
     tokens: list[int] = np.concatenate(parts).tolist() if parts else []
     if len(d.loss_fn_inputs) > MAX_LOSS_INPUTS:
         raise ValidationError(
@@ -240,12 +250,35 @@ def _datum(index: int, d: pb.Datum, budget: _Budget) -> dict[str, Any]:
         for name, t in d.loss_fn_inputs.items()
     }
     datum: dict[str, Any] = {"tokens": tokens, "loss_fn_inputs": inputs}
+    if images:  # placed (the placeholders made image tokens) once the model is known
+        datum["images"] = images
     if d.model_input_spans or d.loss_fn_input_spans:
         datum["provenance"] = {
             "model_input": [_span(index, "model_input_spans", s) for s in d.model_input_spans],
             "targets": [_span(index, "loss_fn_input_spans", s) for s in d.loss_fn_input_spans],
         }
     return datum
+
+
+def _image(index: int, image: pb.ImageChunk, at: int) -> dict[str, Any]:
+    """An image chunk as {at, format, data, expected_tokens}: where its tokens begin and how
+    many it says it is (`platform.models.vision` admits it against the model)."""
+    if not image.HasField("expected_tokens") or image.expected_tokens <= 0:
+        raise ValidationError(
+            f"datum {index}: an image chunk has no expected_tokens; a training datum's length "
+            "counts the image's tokens, so set it (tinker_cookbook's image_to_chunk does)"
+        )
+    if image.HasField("override_dimensions"):
+        raise ValidationError(
+            f"datum {index}: an image chunk sets override_dimensions; this server sizes an image "
+            "by its own pixels: resize the image instead"
+        )
+    return {
+        "at": at,
+        "format": image.format,
+        "data": bytes(image.data),
+        "expected_tokens": int(image.expected_tokens),
+    }
 
 
 def _span(index: int, field: str, span: pb.ProvenanceSpan) -> dict[str, Any]:

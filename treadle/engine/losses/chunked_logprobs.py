@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
+    Qwen3VLForConditionalGeneration,
     SmolLM3ForCausalLM,
     StableLmForCausalLM,
 )
@@ -70,6 +71,7 @@ _PLAIN_HEADS = (
     StableLmForCausalLM,
     SmolLM3ForCausalLM,
     GlmForCausalLM,
+    Qwen3VLForConditionalGeneration,  # its forward: lm_head(language model(inputs + images))
 )
 
 # Checkpointing costs one more forward of the layers, about a third more compute per training
@@ -115,6 +117,7 @@ def target_logprobs(
     *,
     logits_per_chunk: int | None,
     plan_tokens: int | None = None,
+    images: Mapping[str, Tensor] | None = None,
 ) -> Tensor:
     """float32 log softmax(logits)[target] at every position of the right-padded batch
     (padding's computed too, and meaningless): [B, T] for `targets_B_T` [B, T], or [B, T, K]
@@ -125,15 +128,20 @@ def target_logprobs(
     (None, or an unknown head) from the model's full logits. With `plan_tokens`, the output
     layer runs as many chunks as a pass of that many positions would, the extra ones empty: a
     sharded group's ranks, whose output layer is a collective (`distributed.vocabulary`), call
-    it as often as each other."""
+    it as often as each other. `images`: a vision-language model's image inputs for the rows
+    (`models.vision.pass_inputs`; none: the rows are text)."""
     head = output_head(model) if logits_per_chunk is not None else None
+    extra = dict(images or {})
     if head is None or logits_per_chunk is None:
         logits_B_T_V = model(
-            input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
+            input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False, **extra
         ).logits.float()
         return _picked(logits_B_T_V, targets_B_T)
-    hidden_B_T_H = model.get_decoder()(
-        input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False
+    # with images, the multimodal model below the head (it merges the image features into the
+    # language model's inputs); else the decoder alone
+    body = model.model if extra else model.get_decoder()
+    hidden_B_T_H = body(
+        input_ids=tokens_B_T, attention_mask=mask_B_T.long(), use_cache=False, **extra
     ).last_hidden_state
     # Padding's logits too, as the full forward computes them: skipping them changed the float
     # rounding of the grads enough to break tests/unit/engine/test_engine.py's 1e-6 comparisons.

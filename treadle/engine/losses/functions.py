@@ -28,6 +28,7 @@ from treadle.engine.losses.chunked_logprobs import (
     wants_checkpointing,
 )
 from treadle.engine.losses.custom_graph import CustomLossGraph, datum_outputs
+from treadle.engine.models import vision
 from treadle.platform.errors import ValidationError
 from treadle.platform.models import custom_losses, validation
 from treadle.platform.models.losses import LOSS_SPECS, LossSpec, get_loss_spec, resolve_config
@@ -75,6 +76,7 @@ class EngineDatum:
     loss_fn_inputs: Mapping[str, np.ndarray]
     sampler_logprobs: np.ndarray | None = None
     sampled_targets: np.ndarray | None = None
+    images: tuple[vision.EngineImage, ...] = ()  # a vision-language model's, at their tokens
 
 
 @dataclass(frozen=True)
@@ -306,7 +308,8 @@ def batch_loss(
     """One right-padded forward pass of validated `arrays` with whatever weights `model` runs
     now: per datum `logprobs` and `elementwise_loss` (float32 [T_i], or [T_i, K] for
     cross_entropy's top-K targets) and the summed loss, a tensor the caller may backpropagate.
-    Logprobs and losses are computed in float32.
+    Logprobs and losses are computed in float32. A vision-language model's rows may hold
+    images (`pixel_values` and `image_grid_thw` arrays from `vision.pixel_arrays`).
 
     The logits come at most `logits_per_chunk` at a time (None: all at once, the model's own
     forward; see `chunked_logprobs.target_logprobs`), once the pass's logits pass
@@ -362,6 +365,7 @@ def batch_loss(
             targets_B_T,
             logits_per_chunk=logits_per_chunk,
             plan_tokens=plan_tokens,
+            images=vision.pass_inputs(model, tokens_B_T, mask_B_T, arrays),
         )
     if isinstance(loss, CustomLossGraph):
         return _custom_outputs(loss, logprobs_B_T, arrays, lengths, device)

@@ -1,7 +1,8 @@
 """Base models as torch modules: a registered Hugging Face folder, the tiny debug Llama, and
 SmolLM2 (from its GGUF, cached).
 
-A registered model loads with `AutoModelForCausalLM.from_pretrained(folder)`, offline, in the
+A registered model loads with `AutoModelForCausalLM.from_pretrained(folder)` (a vision-language
+model with `AutoModelForImageTextToText`'s class), offline, in the
 engine's dtype unless its entry names one (on CUDA; the CPU always runs float32), its attention
 pinned (`determinism.attention_implementation`: SDPA where the class has it, else eager). Owns the model
 cache `<cache_dir>/models/<safe name>/` (safetensors written once from the
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
     AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
@@ -76,6 +78,7 @@ def load_base_model(
     else:
         model = _from_pretrained(str(model_dir(info, cache_dir)), dtype=dtype)
     model.to(device="cpu" if on_host else device, dtype=dtype)  # type: ignore[call-arg]
+    _vocab_size_on_top(model)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
@@ -111,13 +114,26 @@ def _from_pretrained(folder: str, **kwargs: Any) -> PreTrainedModel:
     config = AutoConfig.from_pretrained(folder, local_files_only=kwargs.get("local_files_only"))
     model_class = _model_class(config)
     attention = determinism.attention_implementation(model_class)
-    return AutoModelForCausalLM.from_pretrained(  # type: ignore[no-any-return]
+    return model_class.from_pretrained(  # type: ignore[no-any-return]
         folder, attn_implementation=attention, **kwargs
     )
 
 
+def _vocab_size_on_top(model: PreTrainedModel) -> None:
+    """A vision-language model's config keeps its vocabulary in `text_config`; the engine reads
+    `config.vocab_size` (the output layer's width) as a causal LM's has it."""
+    text = model.config.get_text_config(decoder=True)
+    if text is not model.config and "vocab_size" not in model.config.__dict__:
+        model.config.vocab_size = text.vocab_size
+
+
 def _model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
-    model_class: type[PreTrainedModel] = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # type: ignore[assignment]
+    """The class AutoModelForCausalLM builds for `config`; for a vision-language model's,
+    AutoModelForImageTextToText's (registration admitted only those: `platform.models.vision`)."""
+    table = MODEL_FOR_CAUSAL_LM_MAPPING
+    if type(config) not in table and getattr(config, "vision_config", None) is not None:
+        table = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    model_class: type[PreTrainedModel] = table[type(config)]  # type: ignore[assignment]
     return model_class
 
 

@@ -23,12 +23,15 @@ import secrets
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from treadle.engine.lora.adapters import LoraHost, LoraWeights, RowAdapters
 from treadle.engine.losses.functions import MICROBATCH_LOGITS
+from treadle.engine.models import vision
+from treadle.engine.models.vision import EngineImage
 from treadle.engine.sampling.kv_pool import KvPool, Plan, PooledCache, kv_need
 from treadle.engine.sampling.prompt_scores import (
     PromptScores,
@@ -78,6 +81,7 @@ class SampleRequest:
     scoring: PromptScoring = field(default_factory=PromptScoring)
     topk_sample_logprobs: int = 0
     interrupt: Callable[[], None] | None = None
+    images: tuple[EngineImage, ...] = ()  # a vision-language model's, at their tokens
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class SampleJob:
     topk_sample_logprobs: int = 0
     weights: LoraWeights | None = None
     interrupt: Callable[[], None] | None = None
+    pixels: dict[str, np.ndarray] | None = None  # its images' (`vision.pixel_arrays`)
 
 
 class _Decoding:
@@ -190,6 +195,8 @@ class DecodeBatch:
         self._decode = decode
         self._device = next(model.parameters()).device
         self._kwarg = cache_kwarg(model)
+        # a vision-language model's rows carry multimodal rotary positions (`Rows.rope_R`)
+        self._multimodal = getattr(model.config, "vision_config", None) is not None
         _check_layer_types(model.config)
         layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
         self.kv = KvPool(kv_tokens, layers)
@@ -370,6 +377,12 @@ class DecodeBatch:
         dst = torch.tensor([s for state in states for s in state.slots], device=self._device)
         self.kv.plan = Plan(past=0, dst=dst, src=torch.tensor(src, device=self._device))
         positions_J_L = (mask_J_L.cumsum(-1) - 1).clamp(min=0)
+        # a vision-language model's images, their explicit multimodal positions, and each
+        # prompt's offset of the positions its samples continue at (0 without images)
+        images, rope_J = vision.prompt_inputs(
+            self._model, ids_J_L, mask_J_L, [job.pixels or {} for job in jobs]
+        )
+        positions = images.pop("position_ids", positions_J_L)
         keeps_J = [job.scoring.logits_to_keep(n) for job, n in zip(jobs, lengths_J, strict=True)]
         keep = 0 if 0 in keeps_J else max(keeps_J)
         prefill_adapters = RowAdapters([job.weights for job in jobs], self._device)
@@ -377,9 +390,10 @@ class DecodeBatch:
             out = self._model(
                 input_ids=ids_J_L,
                 attention_mask=mask_J_L,
-                position_ids=positions_J_L,
+                position_ids=positions,
                 use_cache=True,
                 logits_to_keep=keep,
+                **images,
                 **{self._kwarg: self._cache},
             )
         for j, (job, state) in enumerate(zip(jobs, states, strict=True)):
@@ -403,6 +417,7 @@ class DecodeBatch:
             adapters=RowAdapters(
                 [jobs[j].weights for j in owner_R], self._device, prefill_adapters
             ),
+            rope_R=rope_J[rows_R] if self._multimodal else None,
         )
 
     def _forward(self, rows: Rows, chosen_R: torch.Tensor) -> Rows:
@@ -415,11 +430,15 @@ class DecodeBatch:
         mask_R_L = torch.cat([rows.mask_R_L, rows.mask_R_L.new_ones(len(chosen_R), 1)], dim=1)
         read_R_L = torch.cat([rows.read_R_L, new_R[:, None]], dim=1)
         self.kv.plan = Plan(past=read_R_L.shape[1] - 1, dst=new_R, read_R_L=read_R_L)
+        positions = rows.next_R[:, None]
+        if rows.rope_R is not None:  # the text position, then the 3 multimodal ones
+            shifted = (rows.next_R + rows.rope_R)[None, :, None].expand(3, -1, -1)
+            positions = torch.cat([positions[None], shifted])
         with self._host.use_rows(rows.adapters):
             out = self._model(
                 input_ids=chosen_R[:, None],
                 attention_mask=mask_R_L,
-                position_ids=rows.next_R[:, None],
+                position_ids=positions,
                 use_cache=True,
                 **{self._kwarg: self._cache},
             )

@@ -30,6 +30,9 @@ class Rows:
     read_R_L: torch.Tensor
     next_R: torch.Tensor
     adapters: RowAdapters
+    # a vision-language model's: each row's multimodal position is next_R + rope_R (its
+    # prompt's images take fewer positions than tokens); None for a text-only model
+    rope_R: torch.Tensor | None = None
 
     def selected(self, keep_R: torch.Tensor) -> Rows:
         """Only the rows `keep_R`, with the columns that are padding in all of them cropped."""
@@ -42,6 +45,7 @@ class Rows:
             read_R_L=read_R_L[:, lead:],
             next_R=self.next_R[keep_R],
             adapters=self.adapters.selected(keep_R.tolist()),
+            rope_R=None if self.rope_R is None else self.rope_R[keep_R],
         )
 
     def merged(self, other: Rows, pad: int) -> Rows:
@@ -58,6 +62,9 @@ class Rows:
             ),
             next_R=torch.cat([self.next_R, other.next_R]),
             adapters=self.adapters.merged(other.adapters),
+            rope_R=None
+            if self.rope_R is None or other.rope_R is None
+            else torch.cat([self.rope_R, other.rope_R]),
         )
 
 

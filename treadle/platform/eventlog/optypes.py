@@ -172,6 +172,18 @@ class Provenance(BaseModel):
     sampler_logprobs: list[float | None]
 
 
+class Image(BaseModel):
+    """An image of a vision-language model's datum or prompt: `tokens` copies of the model's
+    image token from `at` stand for it (`platform.models.vision`); `data` is the encoded file,
+    base64."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    at: int
+    tokens: int
+    format: Literal["jpeg", "png"]
+    data: str
+
+
 class Datum(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     tokens: list[int]
@@ -181,6 +193,7 @@ class Datum(BaseModel):
     # provenance spans mark sampled (1) or prompt (0), where they tile its targets; only the
     # sampler-vs-trainer KL metric reads it (absent from operations logged before it was kept).
     sampled_targets: list[int] | None = None
+    images: list[Image] | None = None  # logged only where the datum has some
 
 
 class CustomLossInput(BaseModel):
@@ -213,6 +226,9 @@ class ForwardBackward(Payload):
         out = super().to_json()
         if self.custom_loss is None:  # as forward_backward was recorded before custom losses
             del out["custom_loss"]
+        for datum in out["data"]:  # and before images
+            if datum.get("images") is None:
+                datum.pop("images", None)
         return out
 
     @property
@@ -361,6 +377,13 @@ class Sample(Payload):
     topk_sample_logprobs: int = 0
     # Its sequences are recorded (platform/operations/recorded_samples.py) for stable_reinforce's provenance.
     record_stability_info: bool = False
+    images: list[Image] | None = None  # the prompt's, for a vision-language model
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if self.images is None:  # as samples were recorded before images
+            del out["images"]
+        return out
 
 
 class LoadSamplerWeights(Payload):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from treadle.platform.errors import ValidationError
+from treadle.platform.models.vision import VisionSpec
 
 __all__ = [
     "SMOLLM2_GGUF_FILE",
@@ -50,6 +51,8 @@ class BaseModelInfo:
     registered model. `lora_targets` are the categories of modules a session may adapt
     (`train_attn`, `train_mlp`, `train_unembed`); `moe_experts` says the MLP's experts are
     stored as 3-D parameters (`mlp` then adapts each expert, as peft's `target_parameters`).
+    `vision`, for a vision-language model, is its image geometry and image tokens: its requests
+    may carry image chunks (`platform.models.vision`); LoRA adapts its language model only.
     """
 
     name: str
@@ -75,6 +78,7 @@ class BaseModelInfo:
     size_bytes: int = 0
     tokenizer_vocab_size: int = 0
     has_chat_template: bool = True
+    vision: VisionSpec | None = None  # a vision-language model's: it takes image chunks
 
     @property
     def tokenizer_id(self) -> str:
@@ -118,6 +122,8 @@ class BaseModelInfo:
         for key in ("lora_targets", "eos_token_ids"):
             if key in values:
                 values[key] = tuple(values[key])
+        if values.get("vision") is not None:
+            values["vision"] = VisionSpec.from_json(values["vision"])
         return cls(**values)
 
 

@@ -3,7 +3,8 @@
 Owns `inspect_folder`: from `config.json` (architecture, context length, vocabulary, tied
 embeddings, sliding window, quantisation), the tokenizer (`tokenizer.json`, or a SentencePiece
 `tokenizer.model`), the chat template (`tokenizer_config.json` or `chat_template.jinja`),
-`generation_config.json` (end-of-sequence ids) and the safetensors headers (parameter count,
+`generation_config.json` (end-of-sequence ids), a vision-language model's
+`preprocessor_config.json` (`vision.vision_spec`) and the safetensors headers (parameter count,
 bytes, and each tensor's name and shape, from which `structure` decides admission) it builds the
 `BaseModelInfo` the registry records, or refuses the folder with a ValidationError that says
 what is wrong and how to fix it. Imports only the models package's pure modules and the
@@ -24,6 +25,7 @@ from treadle.platform.errors import ValidationError
 from treadle.platform.models.catalog import LORA_CATEGORIES, BaseModelInfo
 from treadle.platform.models.structure import check_structure
 from treadle.platform.models.tokenizers import gguf_metadata, tokenizer_from_gguf
+from treadle.platform.models.vision import vision_spec
 
 __all__ = [
     "DTYPES",
@@ -102,6 +104,10 @@ def inspect_folder(
     dtype, max_rank = _dtype(options), _rank(options)
     context = _context(options, context, "config.json's max_position_embeddings")
     sliding = text.get("sliding_window")
+    vision = None
+    if isinstance(config.get("vision_config"), dict):
+        preprocessor = _json_file(folder / "preprocessor_config.json", "preprocessor_config.json")
+        vision = vision_spec(str(config.get("model_type", "")), config, preprocessor)
     return BaseModelInfo(
         name=name,
         kind="hf",
@@ -126,6 +132,7 @@ def inspect_folder(
         size_bytes=size_bytes,
         tokenizer_vocab_size=tokenizer_vocab,
         has_chat_template=has_template,
+        vision=vision,
     )
 
 
@@ -255,6 +262,8 @@ def _architecture(config: dict[str, Any]) -> str:
             "save the model with save_pretrained, which writes it"
         )
     architecture = found[0]
+    if isinstance(config.get("vision_config"), dict):
+        return architecture  # a vision-language model: `structure` checks transformers builds it
     if not architecture.endswith("ForCausalLM") and architecture.endswith(_ENCODER_SUFFIXES):
         raise ValidationError(
             f"{architecture} is not a causal language model (model_type "

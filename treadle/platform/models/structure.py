@@ -73,8 +73,11 @@ def check_structure(
     text = config.get("text_config")
     text_config: Mapping[str, Any] = text if isinstance(text, dict) else config
     model_type = str(text_config.get("model_type") or config.get("model_type") or "")
-    _check_transformers_builds(architecture, str(config.get("model_type") or ""))
+    vision = isinstance(config.get("vision_config"), dict)
+    _check_transformers_builds(architecture, str(config.get("model_type") or ""), vision)
     problems = _layer_type_problems(text_config)
+    if vision:  # the language model's layers: LoRA never adapts the vision tower
+        shapes = {n: s for n, s in shapes.items() if ".language_model." in f".{n}"}
     stack = _decoder_stack(shapes)
     if stack is None:
         raise ValidationError(
@@ -102,11 +105,15 @@ def check_structure(
 
 
 @functools.cache
-def causal_lm_classes() -> tuple[str, dict[str, str]] | None:
+def causal_lm_classes(
+    table: str = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+) -> tuple[str, dict[str, str]] | None:
     """(version, model_type -> class) of the installed transformers' `AutoModelForCausalLM`
-    table, read from its source without importing it (importing transformers imports torch);
-    None where transformers is not installed in this process or its table is not where
-    transformers 4.x and 5.x keep it (then the workers' load is the only check)."""
+    table (or another of its auto tables: `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`, the
+    vision-language models'), read from its source without importing it (importing
+    transformers imports torch); None where transformers is not installed in this process or its
+    table is not where transformers 4.x and 5.x keep it (then the workers' load is the only
+    check)."""
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -118,10 +125,7 @@ def causal_lm_classes() -> tuple[str, dict[str, str]] | None:
     for node in tree.body:
         if (
             isinstance(node, ast.Assign)
-            and any(
-                isinstance(t, ast.Name) and t.id == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
-                for t in node.targets
-            )
+            and any(isinstance(t, ast.Name) and t.id == table for t in node.targets)
             and isinstance(node.value, ast.Call)
             and node.value.args
         ):
@@ -133,19 +137,26 @@ def causal_lm_classes() -> tuple[str, dict[str, str]] | None:
     return None
 
 
-def _check_transformers_builds(architecture: str, model_type: str) -> None:
-    """ValidationError unless the installed transformers' AutoModelForCausalLM builds
-    `architecture` for `model_type` (without remote code). Where the API process has no
-    transformers, the workers' load is the check."""
-    table = causal_lm_classes()
+def _check_transformers_builds(architecture: str, model_type: str, vision: bool) -> None:
+    """ValidationError unless the installed transformers' AutoModelForCausalLM (for a
+    vision-language model, AutoModelForImageTextToText) builds `architecture` for `model_type`
+    (without remote code). Where the API process has no transformers, the workers' load is the
+    check."""
+    auto = "AutoModelForImageTextToText" if vision else "AutoModelForCausalLM"
+    table = causal_lm_classes(
+        "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"
+        if vision
+        else "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+    )
     if table is None:
         return
     version, classes = table
     built = classes.get(model_type)
     if built is None:
+        kind = "vision-language model" if vision else "causal LM"
         raise ValidationError(
-            f"transformers {version} has no causal LM for model_type {model_type!r} "
-            f"({architecture}); Treadle loads models with AutoModelForCausalLM, without remote "
+            f"transformers {version} has no {kind} for model_type {model_type!r} "
+            f"({architecture}); Treadle loads models with {auto}, without remote "
             "code: register a model whose model_type transformers knows"
         )
     if built != architecture:

@@ -2,7 +2,8 @@
 
 A registered Hugging Face folder (kind "hf") is served and loaded from its own files
 (`TOKENIZER_FILES`: tokenizer.json or a SentencePiece tokenizer.model, tokenizer_config.json
-with its chat template, generation_config.json, config.json). A GGUF model's tokenizer (the
+with its chat template, generation_config.json, config.json, and a vision-language model's
+image processor, preprocessor_config.json). A GGUF model's tokenizer (the
 built-ins' from the SmolLM2 GGUF, a registered GGUF's from its own file) is built once into the
 on-disk cache (`<cache_dir>/tokenizers/<safe name>.v<N>/`): the GGUF's byte-level BPE vocabulary
 converted into a Hugging Face fast tokenizer (tokenizer.json, tokenizer_config.json,
@@ -75,6 +76,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
     "config.json",
+    "preprocessor_config.json",  # a vision-language model's image processor
 )
 
 
