@@ -177,3 +177,16 @@ def test_image_requests_that_cannot_run_are_clear_400s(
     for client, datum, message in cases:
         with pytest.raises(tinker.BadRequestError, match=message):
             client.forward_backward([datum], "cross_entropy").result()
+    pointer = types.ModelInput(
+        chunks=[
+            types.EncodedTextChunk(tokens=TEXT),
+            types.ImageAssetPointerChunk(format="jpeg", location="file:///etc/passwd"),
+        ]
+    )
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    with pytest.raises(tinker.BadRequestError, match="image_asset_pointer chunks are not served"):
+        sampler.sample(pointer, 1, types.SamplingParams(max_tokens=2)).result()
+    base = service.create_sampling_client(base_model="treadle/tiny-debug").result()
+    with pytest.raises(tinker.BadRequestError, match="text-only model"):
+        prompt = image_input(spec, data, None, TEXT)
+        base.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()

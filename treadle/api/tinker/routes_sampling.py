@@ -187,6 +187,8 @@ def _prompt(
             tokens += [IMAGE_PLACEHOLDER] * (chunk.expected_tokens or 0)
         elif chunk.type == "encoded_text":
             tokens.extend(chunk.tokens)
+        elif chunk.type == "image_asset_pointer":
+            raise ValidationError(f"prompt: {vision.ASSET_POINTERS_REFUSED}")
         else:
             raise ValidationError(
                 f"prompt has a {chunk.type} chunk; this server takes encoded_text and image chunks"

@@ -23,6 +23,7 @@ from typing import Any
 from treadle.platform.errors import ValidationError
 
 __all__ = [
+    "ASSET_POINTERS_REFUSED",
     "FORMATS",
     "IMAGE_PLACEHOLDER",
     "MAX_IMAGE_BYTES",
@@ -36,6 +37,12 @@ __all__ = [
 ]
 
 FORMATS = ("jpeg", "png")
+# Why an image_asset_pointer chunk is refused: a multi-tenant server does not fetch the URLs or
+# read the paths its clients name.
+ASSET_POINTERS_REFUSED = (
+    "image_asset_pointer chunks are not served (this server fetches no URL or path a client "
+    "names); send the image's bytes as an image chunk (tinker.types.ImageChunk)"
+)
 # What an edge puts at an image's positions before the model (and so its image token) is known.
 IMAGE_PLACEHOLDER = -1
 MAX_IMAGE_BYTES = 20 * 2**20
