@@ -11,14 +11,33 @@ scored -0.1; a candidate that times out, crashes or is refused is the tool's ans
 exception; a sandbox that itself fails is reported to the model the same way.
 
 With max_turns=1 no tool is offered and the problem is the single-turn task it always was.
+`demonstration` writes a two-turn episode of a problem with its reference solution (a first
+attempt, the call, the tool's real answer, the final code), the supervised examples of
+code_rl's --warmup-steps.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from treadle.client.tool_calls import ToolCall, ToolCallParseError, parse_tool_calls, render
-from treadle.recipes.code_problems import NO_CODE_REWARD, SYSTEM, Problem, extract_code, reward
+from treadle.client.tool_calls import (
+    ToolCall,
+    ToolCallParseError,
+    assistant_weights,
+    parse_tool_calls,
+    render,
+)
+from treadle.recipes.code_problems import (
+    LOCAL,
+    NO_CODE_REWARD,
+    SOLUTIONS,
+    SYSTEM,
+    TRAIN,
+    Problem,
+    extract_code,
+    reference_solution,
+    reward,
+)
 from treadle.recipes.common.envs import Action, Outcome
 from treadle.recipes.sandbox import Sandbox
 
@@ -125,3 +144,43 @@ class CodeEnv:
         if result.stderr.strip():
             lines.append(result.stderr.strip()[-RESULT_CHARS:])
         return "\n".join(lines)
+
+
+def demonstration(
+    problem: Problem, tokenizer: Any, sandbox: Sandbox, *, first_wrong: bool
+) -> tuple[list[int], list[float]]:
+    """A two-turn episode of `problem` as the model should play it, rendered: a first reply
+    with a code block (the reference solution, or with `first_wrong` a plausible wrong one:
+    `_mistake`) and a call
+    to `check_solution`, the tool's answer as the sandbox gives it, and the reference solution
+    as the final reply. Returns its tokens and a weight per token: 1 on the model's own
+    turns of this episode, 0 elsewhere (`tool_calls.assistant_weights`; the worked example in
+    the prompt is not trained on)."""
+    env = CodeEnv(problem, tokenizer, sandbox)
+    prompt = len(env.observation())
+    final = f"```python\n{reference_solution(problem)}```"
+    first = (
+        f"```python\n{reference_solution(problem, _mistake(problem))}```" if first_wrong else final
+    )
+    call = ToolCall("call_0", "check_solution", {})
+    env.messages += [
+        {"role": "assistant", "content": first, "tool_calls": [call.to_openai()]},
+        {"role": "tool", "tool_call_id": call.id, "content": env.check_solution(call, first)},
+        {"role": "assistant", "content": final},
+    ]
+    tokens, weights = assistant_weights(tokenizer, env.messages, env.tools)
+    return tokens, [0.0] * prompt + weights[prompt:]  # the worked example is the prompt's
+
+
+def _mistake(problem: Problem) -> str:
+    """A plausible wrong body for `problem`: the first other train problem's reference body over
+    the same parameters that fails this one's visible test (another problem's solution, as a
+    confused first attempt would be; never a held-out one's), else `return None`."""
+    params = problem.prompt.split("`")[1].split("(", 1)[1]
+    for other in TRAIN:
+        if other.name == problem.name or other.prompt.split("`")[1].split("(", 1)[1] != params:
+            continue
+        body = SOLUTIONS[other.name]
+        if not LOCAL.run(reference_solution(problem, body), problem.visible_tests).passed:
+            return body
+    return "return None"

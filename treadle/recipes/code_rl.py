@@ -14,7 +14,8 @@ reaches the trainer (gradients add up on the platform until the step's `optim_st
 `importance_sampling`, `ppo` or `cispo` loss over the sampler's own logprobs. Advantages are
 centred within each group and carried by the model's own tokens only. Held-out pass rate (greedy
 episodes of problems never trained on) is measured before training, every --eval-every steps,
-and after.
+and after. --warmup-steps first trains on two-turn demonstrations of the train problems, so that a
+small model learns the tool's format before RL.
 
     python -m treadle.recipes.code_rl --embedded        # or --base-url/--api-key, --client tinker
 """
@@ -31,7 +32,7 @@ from typing import Any
 from tinker import types
 
 from treadle.recipes import code_problems, humaneval
-from treadle.recipes.code_env import CodeEnv
+from treadle.recipes.code_env import CodeEnv, demonstration
 from treadle.recipes.code_problems import Problem
 from treadle.recipes.common import metrics, options
 from treadle.recipes.common.batching import batch_at, step_seed
@@ -94,11 +95,20 @@ def main(argv: list[str] | None = None) -> int:
         help="a group that arrives staler than --max-steps-off-policy: play it again on the "
         "newest weights (requeue) or discard it for the next problem (drop)",
     )  # fmt: skip
+    p.add_argument(
+        "--warmup-steps", type=options.non_negative, default=0,
+        help="supervised steps on two-turn demonstrations of the train problems (a first reply, "
+        "the check_solution call, the tool's answer, the final code) before RL: a model as "
+        "small as SmolLM2-135M does not call the tool otherwise (--problems easy only)",
+    )  # fmt: skip
     p.add_argument("--cpu-seconds", type=int, default=2, help="sandbox CPU limit per run")
     p.add_argument("--wall-seconds", type=float, default=5.0, help="sandbox wall-clock limit")
     args, run = open_run(p, argv)
     if args.num_rollout_workers < 1:
         p.error(f"--num-rollout-workers must be at least 1, not {args.num_rollout_workers}")
+    if args.warmup_steps and (args.problems != "easy" or args.max_turns != 2):
+        p.error("--warmup-steps demonstrates the tool on the easy problems' reference solutions: "
+                "it needs --problems easy and --max-turns 2")  # fmt: skip
     train, held_out = problem_sets(args.problems)
     sandbox = LocalSandbox(Limits(cpu_seconds=args.cpu_seconds, wall_seconds=args.wall_seconds))
     with service(args) as svc:
@@ -114,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                              temperature=args.temperature,
                              seed=step_seed(args.seed, work.index, work.attempt))  # fmt: skip
 
-        def evaluate(step: int) -> float:
-            sampler, _ = pool.latest()
+        def evaluate(step: int, sampler: Any = None) -> float:
+            sampler = sampler or pool.latest()[0]
             with ThreadPoolExecutor(max_workers=4) as threads:
                 played = list(threads.map(
                     lambda pr: run_group([CodeEnv(pr, tokenizer, sandbox, max_turns=args.max_turns)],
@@ -132,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         log = run.metrics_log(
             args, shown=["reward_mean", "pass_rate", "tool_call_rate", "eval_pass_rate"]
         )
+        if not run.resumed_from:  # a resumed run's file already holds it (and its warm-up)
+            evaluate(0, current_sampler(tc))
+            if args.warmup_steps:  # before any rollout: RL starts from the warmed-up weights
+                warm_up(tc, train, tokenizer, sandbox, args, log)
+                rate = evaluate(0, current_sampler(tc))
+                log.record(0, eval_pass_rate_after_warmup=rate)
         pool: RolloutPool[Group] = RolloutPool(
             play, current_sampler(tc), num_workers=args.num_rollout_workers,
             batch_size=args.batch_size, start_step=run.start_step,
@@ -139,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
             stale_policy=StalePolicy(args.stale_policy),
         )  # fmt: skip
         try:
-            if not run.resumed_from:  # a resumed run's file already holds it
-                evaluate(0)
             for step in range(run.start_step, args.steps):
                 started = time.monotonic()
                 rollouts, loss, datums, waited = train_step(tc, pool, step, args)
@@ -165,12 +179,36 @@ def main(argv: list[str] | None = None) -> int:
          "held-out pass rate (greedy)": ["eval_pass_rate"], "staleness (steps)": ["staleness"]},
         lambda rows: {
             "held_out_pass_rate_before": metrics.first(rows, "eval_pass_rate"),
+            "held_out_pass_rate_after_warmup": metrics.last(rows, "eval_pass_rate_after_warmup"),
             "held_out_pass_rate_after": metrics.last(rows, "eval_pass_rate"),
             "max_staleness": max((r["staleness"] for r in rows if "staleness" in r), default=0),
             "requeued": metrics.last(rows, "requeued"), "dropped": metrics.last(rows, "dropped"),
         },
     )  # fmt: skip
     return 0
+
+
+def warm_up(
+    tc: Any, train: list[Problem], tokenizer: Any, sandbox: Any, args: Any, log: Any
+) -> None:
+    """--warmup-steps supervised steps of --batch-size demonstrations (code_env.demonstration:
+    every other one's first attempt wrong, then revised), cross-entropy on the model's own turns
+    only; each step's loss per trained token is logged as `warmup_loss`."""
+    for step in range(args.warmup_steps):
+        batch = batch_at(train, args.batch_size, args.seed + 1, step)
+        data = []
+        for i, problem in enumerate(batch):
+            tokens, weights = demonstration(problem, tokenizer, sandbox, first_wrong=i % 2 == 1)
+            data.append(types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
+            ))  # fmt: skip
+        trained = sum(sum(d.loss_fn_inputs["weights"].data) for d in data)
+        fb = tc.forward_backward(data, loss_fn="cross_entropy")
+        optim = tc.optim_step(types.AdamParams(learning_rate=args.learning_rate))
+        loss = float(fb.result().metrics["loss:sum"]) / trained
+        optim.result()
+        log.record(0, warmup_step=step + 1, warmup_loss=round(loss, 4))
 
 
 def train_step(

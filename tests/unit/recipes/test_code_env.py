@@ -15,8 +15,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from treadle.client.tool_calls import assistant_weights, render  # noqa: E402
 from treadle.platform.models.tokenizers import load_tokenizer  # noqa: E402
-from treadle.recipes.code_env import CHECK_SOLUTION, CodeEnv  # noqa: E402
-from treadle.recipes.code_problems import PROBLEMS  # noqa: E402
+from treadle.recipes.code_env import (  # noqa: E402
+    CHECK_SOLUTION,
+    CodeEnv,
+    _mistake,
+    demonstration,
+)
+from treadle.recipes.code_problems import (  # noqa: E402
+    HELD_OUT,
+    LOCAL,
+    PROBLEMS,
+    SOLUTIONS,
+    TRAIN,
+    reference_solution,
+)
 from treadle.recipes.common.envs import (  # noqa: E402
     Action,
     Episode,
@@ -149,3 +161,38 @@ def test_a_turn_the_next_prompt_does_not_extend_trains_as_a_datum_of_its_own(tok
     assert second.tokens[: len(episode.turns[1].observation)] == episode.turns[1].observation
     assert [sum(s.mask) for s in (first, second)] == [len(t.action.tokens) for t in episode.turns]
     assert len(episode_datums(episode, 1.0)) == 2
+
+
+@pytest.mark.parametrize("first_wrong", [False, True])
+def test_a_demonstration_is_the_two_turn_episode_played_right(tok: Any, first_wrong: bool) -> None:
+    """--warmup-steps' example: the first reply's call parses as the model's would, the tool's
+    answer is the sandbox's verdict on that reply, the final reply passes the hidden tests, and
+    only the model's own turns carry weight."""
+    problem = next(p for p in PROBLEMS if p.name == "add")
+    sandbox = LocalSandbox(Limits(cpu_seconds=2, wall_seconds=5))
+    tokens, weights = demonstration(problem, tok, sandbox, first_wrong=first_wrong)
+    env = CodeEnv(problem, tok, sandbox)
+    prompt = env.observation()
+    assert tokens[: len(prompt)] == prompt and not any(weights[: len(prompt)])
+    text = tok.decode(tokens[len(prompt) :])
+    first_reply = text.split("<|im_end|>")[0]
+    played = env.step(sampled(tok, first_reply))  # the environment reads the call
+    assert not played.done and played.info["tool_calls"] == [{}]
+    verdict = played.info["tool_results"][0]
+    assert (verdict == "All visible tests passed.") is (not first_wrong)
+    assert verdict in text
+    final = env.step(sampled(tok, text.split("<|im_end|>")[2].split("assistant\n", 1)[1]))
+    assert final.done and final.reward == 1.0
+    ours, mask = assistant_weights(tok, env.messages + [
+        {"role": "assistant", "content": text.split("<|im_end|>")[2].split("assistant\n", 1)[1]}
+    ], env.tools)  # fmt: skip
+    assert ours == tokens and mask[len(prompt) :] == weights[len(prompt) :]
+
+
+def test_a_demonstrations_wrong_first_attempt_fails_and_shows_no_held_out_solution() -> None:
+    held_out = {SOLUTIONS[p.name] for p in HELD_OUT} - {SOLUTIONS[p.name] for p in TRAIN}
+    for problem in TRAIN:
+        body = _mistake(problem)
+        assert body not in held_out, problem.name
+        code = reference_solution(problem, body)
+        assert not LOCAL.run(code, problem.visible_tests).passed, problem.name

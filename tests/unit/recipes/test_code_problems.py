@@ -9,39 +9,17 @@ from treadle.recipes.code_problems import (
     HELD_OUT,
     NO_CODE_REWARD,
     PROBLEMS,
+    SOLUTIONS,
     TRAIN,
     Problem,
     extract_code,
+    reference_solution,
     reward,
 )
 
-SOLUTIONS = {
-    "add": "return a + b", "subtract": "return a - b", "multiply": "return a * b",
-    "square": "return n * n", "cube": "return n ** 3", "double": "return 2 * n",
-    "increment": "return n + 1", "is_even": "return n % 2 == 0", "is_odd": "return n % 2 == 1",
-    "is_positive": "return n > 0", "is_negative": "return n < 0", "max_of_two": "return max(a, b)",
-    "min_of_two": "return min(a, b)", "absolute": "return abs(n)", "remainder": "return a % b",
-    "power": "return a ** b", "is_divisible": "return a % b == 0", "list_sum": "return sum(nums)",
-    "list_max": "return max(nums)", "list_min": "return min(nums)",
-    "list_length": "return len(items)", "average": "return sum(nums) / len(nums)",
-    "first_element": "return items[0]", "last_element": "return items[-1]",
-    "contains": "return x in items", "is_empty": "return len(items) == 0",
-    "count_evens": "return sum(1 for x in nums if x % 2 == 0)",
-    "double_all": "return [2 * x for x in nums]",
-    "filter_positive": "return [x for x in nums if x > 0]", "sort_list": "return sorted(nums)",
-    "sum_to_n": "return n * (n + 1) // 2",
-    "factorial": "return 1 if n == 0 else n * factorial(n - 1)",
-    "reverse_string": "return s[::-1]", "to_upper": "return s.upper()",
-    "to_lower": "return s.lower()", "string_length": "return len(s)",
-    "first_char": "return s[0]", "concat": "return a + b", "repeat_string": "return s * n",
-    "count_char": "return s.count(c)",
-}  # fmt: skip
-
 
 def solution(name: str, body: str) -> str:
-    problem = next(p for p in PROBLEMS if p.name == name)
-    signature = problem.prompt.split("`")[1]  # "Write a Python function `add(a, b)` that ..."
-    return f"def {signature}:\n    {body}\n"
+    return reference_solution(next(p for p in PROBLEMS if p.name == name), body)
 
 
 def test_forty_problems_split_thirty_to_train_and_ten_held_out() -> None:
