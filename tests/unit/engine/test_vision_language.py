@@ -173,10 +173,14 @@ def test_an_image_whose_tokens_disagree_with_the_processor_is_refused(
         engine.forward_backward("a", [datum], "cross_entropy")
 
 
-def image_prompt(info: BaseModelInfo, data: bytes, width: int, height: int) -> SampleRequest:
+def image_prompt(
+    info: BaseModelInfo, data: bytes, width: int, height: int, *, ends_with_image: bool = False
+) -> SampleRequest:
     assert info.vision is not None
     v, n = info.vision, image_tokens(info.vision, width, height)
-    prompt = [5, 9, v.vision_start_token_id, *[v.image_token_id] * n, v.vision_end_token_id, 17]
+    prompt = [5, 9, v.vision_start_token_id, *[v.image_token_id] * n]
+    if not ends_with_image:
+        prompt += [v.vision_end_token_id, 17]
     return SampleRequest(
         info.name,
         None,
@@ -188,15 +192,16 @@ def image_prompt(info: BaseModelInfo, data: bytes, width: int, height: int) -> S
     )
 
 
+@pytest.mark.parametrize("ends_with_image", [False, True])
 def test_an_image_prompt_samples_what_transformers_generates_from_it(
-    info: BaseModelInfo, tmp_path: Path
+    info: BaseModelInfo, tmp_path: Path, ends_with_image: bool
 ) -> None:
     import io
 
     from PIL import Image
 
     data = vision_models.image_bytes(70, 50, seed=4)
-    request = image_prompt(info, data, 70, 50)
+    request = image_prompt(info, data, 70, 50, ends_with_image=ends_with_image)
     text = SampleRequest(
         info.name,
         None,

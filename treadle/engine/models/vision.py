@@ -122,6 +122,7 @@ def prompt_inputs(
     if not inputs:
         return inputs, torch.zeros(len(tokens_J_L), dtype=torch.long, device=tokens_J_L.device)
     position_4_J_L = inputs["position_ids"]
-    last_J = position_4_J_L[1:, :, -1].max(dim=0).values  # every prompt ends at the last column
-    offset_J = last_J + 1 - mask_J_L.long().sum(-1)
+    # as transformers' get_rope_index: the next position is one past the prompt's largest (the
+    # left padding's are 0)
+    offset_J = position_4_J_L[1:].amax(dim=(0, 2)) + 1 - mask_J_L.long().sum(-1)
     return inputs, offset_J
