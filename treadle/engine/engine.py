@@ -363,7 +363,7 @@ class Engine:
                 )
             for i, (datum, datum_arrays) in enumerate(zip(data, arrays, strict=True)):
                 if datum.images:
-                    datum_arrays.update(_pixels(base.info, datum.images, f"datum {i}"))
+                    datum_arrays.update(vision.model_pixels(base.info, datum.images, f"datum {i}"))
             budget = pass_tokens or self._pass_budget(base)
             outputs, total = training.forward_backward(
                 base,
@@ -584,7 +584,9 @@ class Engine:
             scoring=request.scoring,
             topk_sample_logprobs=request.topk_sample_logprobs,
         )
-        pixels = _pixels(base.info, request.images, "prompt") if request.images else None
+        pixels = (
+            vision.model_pixels(base.info, request.images, "prompt") if request.images else None
+        )
         return SampleJob(
             tokens,
             request.num_samples,
@@ -796,12 +798,3 @@ class SampleBatch:
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32, copy=True).numpy()
-
-
-def _pixels(
-    info: BaseModelInfo, images: Sequence[vision.EngineImage], where: str
-) -> dict[str, np.ndarray]:
-    """A datum's or prompt's images as its model's processor makes them (`vision.pixel_arrays`)."""
-    if info.vision is None or info.path is None:
-        raise ValidationError(f"{where}: {info.name} is a text-only model; it takes no images")
-    return vision.pixel_arrays(vision.image_processor(info.path), images, where)

@@ -28,8 +28,16 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from treadle.platform.errors import ValidationError
+from treadle.platform.models.catalog import BaseModelInfo
 
-__all__ = ["EngineImage", "image_processor", "pass_inputs", "pixel_arrays", "prompt_inputs"]
+__all__ = [
+    "EngineImage",
+    "image_processor",
+    "model_pixels",
+    "pass_inputs",
+    "pixel_arrays",
+    "prompt_inputs",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,16 @@ def image_processor(folder: str) -> Any:
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+
+
+def model_pixels(
+    info: BaseModelInfo, images: Sequence[EngineImage], where: str
+) -> dict[str, np.ndarray]:
+    """A datum's or prompt's images as its model's own processor makes them (`pixel_arrays`);
+    ValidationError for a text-only model."""
+    if info.vision is None or info.path is None:
+        raise ValidationError(f"{where}: {info.name} is a text-only model; it takes no images")
+    return pixel_arrays(image_processor(info.path), images, where)
 
 
 def pixel_arrays(
