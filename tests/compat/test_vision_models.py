@@ -23,8 +23,7 @@ from tinker import types
 import treadle
 from tests import vision_models
 from tests.compat.test_registered_models import cli
-from tests.conftest import Platform
-from treadle.client.admin import AdminClient
+from tests.conftest import Platform, new_tenant_key
 from treadle.platform.models.vision import VisionSpec, image_tokens
 
 pytestmark = pytest.mark.integration
@@ -49,11 +48,7 @@ def registered(
 
 @pytest.fixture(scope="module")
 def key(platform: Platform) -> str:
-    admin = AdminClient(platform.base_url, platform.admin_key)
-    try:
-        return str(admin.create_tenant(f"vision-{secrets.token_hex(3)}")["api_key"])
-    finally:
-        admin.close()
+    return new_tenant_key(platform, "vision")
 
 
 @pytest.fixture(scope="module")
