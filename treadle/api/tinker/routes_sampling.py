@@ -193,8 +193,6 @@ def _prompt(
             raise ValidationError(
                 f"prompt has a {chunk.type} chunk; this server takes encoded_text and image chunks"
             )
-    if not images and model.vision is None:
-        return tokens, None
     tokens, placed = vision.place_images("prompt", tokens, images, model.vision, model.name)
     return tokens, [optypes.Image.model_validate(p) for p in placed] or None
 

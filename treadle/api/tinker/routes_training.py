@@ -108,13 +108,11 @@ def forward_backward() -> Any:
         raise ValidationError("seq_id must be >= 1 (the first operation after create_model is 1)")
     model = services().models.get(base_model_of(model_id))
     for i, datum in enumerate(payload["data"]):
-        images = datum.pop("images", [])
-        if images or model.vision is not None:
-            datum["tokens"], placed = vision.place_images(
-                f"datum {i}", datum["tokens"], images, model.vision, model.name
-            )
-            if placed:
-                datum["images"] = placed
+        datum["tokens"], placed = vision.place_images(
+            f"datum {i}", datum["tokens"], datum.pop("images", []), model.vision, model.name
+        )
+        if placed:
+            datum["images"] = placed
     with_request = None
     if payload["loss_fn"] == "custom":  # create_custom_loss's: its content goes into the event
         if decoded["loss_id"] is None:

@@ -242,6 +242,8 @@ def place_images(
     Raises ValidationError for an image `admit_image` refuses, and for text that holds the
     model's image token itself (only an image chunk may: the model would find more image
     positions than images)."""
+    if not images and spec is None:  # a text-only model's text: nothing to place or check
+        return tokens, []
     out: list[int] = []
     placed: list[dict[str, Any]] = []
     done = 0
