@@ -176,10 +176,11 @@ def served_platform(
     data_dir: Path,
     *,
     workers: int = 2,
+    devices: int = 1,
     env: dict[str, str] | None = None,
 ) -> Iterator[Platform]:
-    """`treadle up` with `workers` workers on a free port against `database_url` and
-    `redis_url`, with `env` added to its environment."""
+    """`treadle up` with `workers` workers (each a group of `devices` ranks) on a free port
+    against `database_url` and `redis_url`, with `env` added to its environment."""
     port = free_port()
     full_env = {
         **os.environ,
@@ -209,6 +210,8 @@ def served_platform(
                 str(data_dir),
                 "--workers",
                 str(workers),
+                "--devices",
+                str(devices),
             ]
         ),
         env=full_env,

@@ -6,7 +6,8 @@ of the same tokens; the adapter after save_weights_and_get_sampling_client is th
 sample finishes while the worker is inside a forward_backward's training call (the sampling
 thread, worker/sampler_thread.py); a killed vLLM process is started again and its samples sent
 again, with no error for the client; cookbook 0.6.1's math_rl and Treadle's own rl_math recipe
-run to the end on it.
+run to the end on it. A sharded worker group of two ranks samples with its rank 0's vLLM server,
+beside its training calls.
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def forward_logprobs(tc: tinker.TrainingClient, tokens: list[int]) -> np.ndarray
 def test_sessions_adapters_sample_together_within_tolerance_of_their_forward(
     service: tinker.ServiceClient,
 ) -> None:
+    sample_together_within_tolerance(service)
+
+
+def sample_together_within_tolerance(service: tinker.ServiceClient) -> None:
+    """Two sessions' adapters sampled and scored at once, each within TOLERANCE of its own
+    trainer's forward of the same tokens."""
     trainers = [trained(service, seed) for seed in (1, 2)]
     samplers = [tc.save_weights_and_get_sampling_client().result() for tc in trainers]
     params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=11)
@@ -151,9 +158,15 @@ def test_a_sample_finishes_while_a_forward_backward_computes(
     engine's lock held, before its first pass (`faults.IN_PASSES`): the session's sample, sent
     then, finishes on the sampling thread while the forward_backward is still held; on the
     reference loop it would wait for the whole call."""
+    sample_while_a_forward_backward_is_held(vllm_platform, service)
+
+
+def sample_while_a_forward_backward_is_held(
+    platform: Platform, service: tinker.ServiceClient
+) -> None:
     tc = trained(service, seed=7)
     sampler = tc.save_weights_and_get_sampling_client().result()
-    pauses = redis.Redis.from_url(vllm_platform.redis_url)
+    pauses = redis.Redis.from_url(platform.redis_url)
     model_id = str(tc.model_id)
     faults.arm_pause(pauses, model_id, faults.IN_PASSES, 120.0)
     tokens = PROMPT + PROMPT
@@ -172,6 +185,47 @@ def test_a_sample_finishes_while_a_forward_backward_computes(
     assert pauses.exists(faults.paused_key(model_id))  # still held: the sample did not wait
     faults.release(pauses, model_id)
     assert held.result(timeout=60).metrics["loss:sum"] > 0
+
+
+@pytest.fixture(scope="module")
+def vllm_group(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """A platform of its own whose one worker is a sharded group of two ranks (each decoder
+    layer split across them) that samples with vLLM: rank 0's server, beside the group's
+    training calls."""
+    data_dir = tmp_path_factory.mktemp("vllm-group")
+    base, _, number = services.redis_url.rpartition("/")
+    redis_url = f"{base}/{(int(number or 0) + 9) % 16}"
+    env = {
+        "TREADLE_SAMPLER_BACKEND": "vllm",
+        "TREADLE_VLLM_PYTHON": vllm_python(),
+        "TREADLE_VLLM_MAX_LORA_RANK": "16",
+        "TREADLE_DEBUG_FAULTS": "1",
+        "TREADLE_CACHE_DIR": str(data_dir / "cache"),
+        "TREADLE_GROUP_LAYOUT": "sharded",
+    }
+    with (
+        private_database(services.database_url, "treadle_vllm_group") as database_url,
+        served_platform(database_url, redis_url, data_dir, workers=1, devices=2, env=env) as up,
+    ):
+        yield up
+
+
+def test_a_sharded_worker_group_samples_with_vllm_beside_its_training(
+    vllm_group: Platform,
+) -> None:
+    """A worker group's samples go to rank 0's vLLM server (its snapshots are whole there): two
+    sessions' adapters together within tolerance of the group's own forward, and a sample that
+    finishes while the group's forward_backward is held (rank 0 before it sends the call)."""
+    service = tinker.ServiceClient(
+        base_url=vllm_group.base_url, api_key=new_tenant_key(vllm_group, "vllm-group")
+    )
+    try:
+        sample_together_within_tolerance(service)
+        sample_while_a_forward_backward_is_held(vllm_group, service)
+    finally:
+        service.close("success").result()
+    assert sampled_by_vllm(vllm_group) > 0
+    assert len(vllm_server_pids(vllm_group)) == 1  # rank 0's, the group's only one
 
 
 def vllm_server_pids(platform: Platform) -> list[int]:

@@ -122,6 +122,9 @@ class PlatformConfig:
     # The largest LoRA rank vLLM serves, and its KV cache on the CPU (GiB).
     vllm_max_lora_rank: int = 64
     vllm_kv_cache_gib: int = 1
+    # The CUDA devices the worker's vLLM servers run on ("6,7": tensor parallel over both), so
+    # that they do not share the training ranks' devices; empty: vLLM's default (device 0).
+    vllm_devices: str = ""
     # Recompute each decoder layer in the backward instead of keeping its activations: None
     # where a training pass is big enough for it to save memory, True always, False never.
     activation_checkpointing: bool | None = None
@@ -226,6 +229,7 @@ class PlatformConfig:
             vllm_url=env.get("TREADLE_VLLM_URL", ""),
             vllm_max_lora_rank=_whole(env, "TREADLE_VLLM_MAX_LORA_RANK", 64),
             vllm_kv_cache_gib=_whole(env, "TREADLE_VLLM_KV_CACHE_GIB", 1),
+            vllm_devices=_devices(env, "TREADLE_VLLM_DEVICES"),
             activation_checkpointing=_auto_flag(env, "TREADLE_ACTIVATION_CHECKPOINTING"),
             microbatch_tokens=_whole(env, "TREADLE_MICROBATCH_TOKENS", 0),
             group_timeout_seconds=_number(env, "TREADLE_GROUP_TIMEOUT_SECONDS", 120.0),
@@ -281,6 +285,7 @@ class PlatformConfig:
             "TREADLE_VLLM_URL": self.vllm_url,
             "TREADLE_VLLM_MAX_LORA_RANK": str(self.vllm_max_lora_rank),
             "TREADLE_VLLM_KV_CACHE_GIB": str(self.vllm_kv_cache_gib),
+            "TREADLE_VLLM_DEVICES": self.vllm_devices,
             "TREADLE_ACTIVATION_CHECKPOINTING": {None: "auto", True: "on", False: "off"}[
                 self.activation_checkpointing
             ],
@@ -335,6 +340,19 @@ def _sampler_backend(env: Mapping[str, str]) -> str:
             f"TREADLE_SAMPLER_BACKEND is {backend!r}; use reference (the default) or vllm"
         )
     return backend
+
+
+def _devices(env: Mapping[str, str], name: str) -> str:
+    """A comma-separated list of distinct device indices ("6,7"), or empty."""
+    raw = env.get(name, "").replace(" ", "")
+    if not raw:
+        return ""
+    parts = raw.split(",")
+    if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(
+            f"{name} must list distinct device indices separated by commas (6,7), got {raw!r}"
+        )
+    return ",".join(str(int(p)) for p in parts)
 
 
 def _whole(env: Mapping[str, str], name: str, default: int) -> int:

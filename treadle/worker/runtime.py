@@ -70,6 +70,7 @@ def new_engine(
             url=config.vllm_url,
             max_lora_rank=config.vllm_max_lora_rank,
             kv_cache_gib=config.vllm_kv_cache_gib,
+            devices=config.vllm_devices,
         )
         if config.sampler_backend == "vllm"
         else None,

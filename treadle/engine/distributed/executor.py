@@ -9,8 +9,10 @@ whose adapter is the whole adapter. The other ranks run `follow`: receive a call
 rank 0 closes the group or a collective times out. After each mirrored call every rank checks
 that all ended the same way (the same error or none; after a call that sets weights, the same
 weight hash): a rank that differs fails the group rather than train on other weights than rank 0
-reports. Sampling runs on the whole group (`decoding`); in the sharded layout a base model's
-first batch is preceded by its load on every rank together (loading shards it, a collective).
+reports. Sampling runs on the whole group (`decoding`), or, where rank 0's engine samples with
+vLLM, on rank 0's vLLM server alone, beside the group's training calls; in the sharded layout a
+base model's first batch is preceded by its load on every rank together (loading shards it, a
+collective).
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -45,6 +47,7 @@ from treadle.engine.protocol import (
 )
 from treadle.engine.sampling.decode import SampleRequest
 from treadle.engine.sampling.rules import SampleResult
+from treadle.engine.sampling.vllm_batch import VllmBatch
 
 __all__ = ["MIRRORED", "SETS_WEIGHTS", "GroupExecutor", "follow"]
 
@@ -187,19 +190,29 @@ class GroupExecutor:
 
     # -- sampling: each batch a `LeaderBatch` the whole group decodes
 
-    def open_batch(self, base_model: str) -> LeaderBatch:
+    def open_batch(self, base_model: str) -> LeaderBatch | VllmBatch:
+        """A batch the whole group decodes (`LeaderBatch`) or, when rank 0's engine samples
+        with vLLM, rank 0's own batch on its vLLM server: the other ranks take no part (a
+        sample reads only its snapshot, whole on rank 0, as every adapter is)."""
         if self.group.sharded and not self.engine.has_base(base_model):
             # Loading shards the model, a collective: every rank loads it now, together (rank 0
-            # alone in it would wait on the others' next call until the group's timeout).
+            # alone in it would wait on the others' next call until the group's timeout). With
+            # vLLM too: rank 0 reads the base's tokenizer and LoRA shapes from it.
             with self._sending:
                 broadcast((_LOAD_BASE, (base_model,), {}))
                 _, error = _run(self.engine, "load_base", (base_model,), {})
             if error is not None:
                 raise error
+        if self.engine.samples_beside_training():
+            batch = self.engine.open_batch(base_model)
+            assert isinstance(batch, VllmBatch)
+            return batch
         return LeaderBatch(self, base_model)
 
     def samples_beside_training(self) -> bool:
-        return False  # the group's ranks decode together, between its training calls
+        """With vLLM, rank 0's samples run beside the group's training calls (they use no
+        collective); otherwise the group's ranks decode together, between its training calls."""
+        return self.engine.samples_beside_training()
 
     def sample_batch(
         self, requests: Sequence[SampleRequest], *, interrupt: Interrupt | None = None

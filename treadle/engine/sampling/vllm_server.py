@@ -37,13 +37,16 @@ class VllmSettings:
     `url`: instead, a server already running for the base model (nothing is started, and a
     dead one is someone else's to restart); `max_lora_rank` / `max_loras`: vLLM's LoRA slots
     (the largest rank it serves; adapters in one step); `kv_cache_gib`: vLLM's KV cache on the
-    CPU (`VLLM_CPU_KVCACHE_SPACE`); `startup_seconds`: how long a start may take."""
+    CPU (`VLLM_CPU_KVCACHE_SPACE`); `devices`: the CUDA devices a server runs on ("6,7",
+    tensor parallel over them: not the training ranks' own), empty for vLLM's default;
+    `startup_seconds`: how long a start may take."""
 
     python: str = ""
     url: str = ""
     max_lora_rank: int = 64
     max_loras: int = 8
     kv_cache_gib: int = 1
+    devices: str = ""
     startup_seconds: float = 600.0
 
 
@@ -140,6 +143,22 @@ class VllmServer:
             os.killpg(self._process.pid, signal.SIGKILL)  # alive but not answering
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._log_path, "ab") as log:
+            # started by a thread of the backend's pool (or the sampling thread), which lives
+            # as long as the worker's engine
+            self._process = subprocess.Popen(
+                ending_with_parent(self.command(port), python=self.settings.python),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+            )
+        self.starts += 1
+        self._wait_healthy(self._process)
+
+    def command(self, port: int) -> list[str]:
+        """vLLM's OpenAI-compatible server on `port`, as this worker starts it."""
         s = self.settings
         command = [
             s.python,
@@ -168,6 +187,14 @@ class VllmServer:
             "--seed",
             "0",
         ]
+        if s.devices:  # one shard of the model on each device
+            command += ["--tensor-parallel-size", str(len(s.devices.split(",")))]
+        return command
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: the worker's, less Treadle's Python path, with its devices
+        (a worker group's rank 0 has its own training device in view)."""
+        s = self.settings
         env = {
             **os.environ,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
@@ -177,19 +204,9 @@ class VllmServer:
             "VLLM_NO_USAGE_STATS": "1",
         }
         env.pop("PYTHONPATH", None)  # vLLM's environment, not Treadle's
-        self._log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self._log_path, "ab") as log:
-            # started by a thread of the backend's pool (or the sampling thread), which lives
-            # as long as the worker's engine
-            self._process = subprocess.Popen(
-                ending_with_parent(command, python=s.python),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        self.starts += 1
-        self._wait_healthy(self._process)
+        if s.devices:
+            env["CUDA_VISIBLE_DEVICES"] = s.devices
+        return env
 
     def _wait_healthy(self, process: subprocess.Popen[bytes] | None) -> None:
         deadline = time.monotonic() + self.settings.startup_seconds
