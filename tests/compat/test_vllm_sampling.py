@@ -5,7 +5,8 @@ together; each sequence's logprobs and compute_logprobs are within 1e-4 of the t
 of the same tokens; the adapter after save_weights_and_get_sampling_client is the one sampled; a
 sample finishes while the worker is inside a forward_backward's training call (the sampling
 thread, worker/sampler_thread.py); a killed vLLM process is started again and its samples sent
-again, with no error for the client; cookbook 0.6.1's math_rl and Treadle's own rl_math recipe
+again, with no error for the client; a streamed completion (the openai client) comes in pieces as
+vLLM draws them; cookbook 0.6.1's math_rl and Treadle's own rl_math recipe
 run to the end on it. A sharded worker group of two ranks samples with its rank 0's vLLM server,
 beside its training calls.
 """
@@ -21,8 +22,10 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import redis
 import tinker
@@ -67,10 +70,13 @@ def vllm_platform(
 
 
 @pytest.fixture(scope="module")
-def service(vllm_platform: Platform) -> Iterator[tinker.ServiceClient]:
-    svc = tinker.ServiceClient(
-        base_url=vllm_platform.base_url, api_key=new_tenant_key(vllm_platform, "vllm")
-    )
+def key(vllm_platform: Platform) -> str:
+    return new_tenant_key(vllm_platform, "vllm")
+
+
+@pytest.fixture(scope="module")
+def service(vllm_platform: Platform, key: str) -> Iterator[tinker.ServiceClient]:
+    svc = tinker.ServiceClient(base_url=vllm_platform.base_url, api_key=key)
     yield svc
     svc.close("success").result()
 
@@ -226,6 +232,30 @@ def test_a_sharded_worker_group_samples_with_vllm_beside_its_training(
         service.close("success").result()
     assert sampled_by_vllm(vllm_group) > 0
     assert len(vllm_server_pids(vllm_group)) == 1  # rank 0's, the group's only one
+
+
+def test_a_streamed_completion_comes_in_pieces_as_vllm_draws_them(
+    vllm_platform: Platform, service: tinker.ServiceClient, key: str
+) -> None:
+    """Through the openai client: a streamed completion of the session's weights arrives in
+    several chunks (one per step that drew tokens: vLLM's own stream, read as it comes) that add
+    up to the unstreamed answer for the same seed."""
+    tc = trained(service, seed=8)
+    tc.save_weights_and_get_sampling_client().result()
+    client = openai.OpenAI(base_url=f"{vllm_platform.base_url}/v1", api_key=key, max_retries=0)
+    common: dict[str, Any] = {
+        "model": tc.model_id,
+        "prompt": "Count from one to twenty: one, two, three,",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 21,
+    }
+    whole = client.completions.create(**common)
+    pieces = [c.choices[0].text for c in client.completions.create(stream=True, **common)
+              if c.choices and c.choices[0].text]  # fmt: skip
+    assert "".join(pieces) == whole.choices[0].text
+    assert whole.usage is not None and whole.usage.completion_tokens >= 4
+    assert len(pieces) >= 3  # whole, it would come as one chunk at the end
 
 
 def vllm_server_pids(platform: Platform) -> list[int]:

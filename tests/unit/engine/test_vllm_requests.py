@@ -64,6 +64,52 @@ def test_sequences_keep_the_order_of_their_indices_and_the_top_k() -> None:
     assert vllm_requests.sequences(answer, topk_logprobs=0)[0].topk_logprobs is None
 
 
+def test_a_streamed_answer_is_read_as_it_comes_and_ends_as_the_whole_one() -> None:
+    """Chunks as vLLM 0.32 streams a completion of two samples (one choice a chunk, each with
+    its step's token ids and logprobs; the finish reason on a choice's last): what each sample
+    drew so far after every chunk, and at the end the answer an unstreamed request gets."""
+    streamed = vllm_requests.Streamed(2)
+    assert streamed.drawn() == ([[], []], [[], []])
+
+    def chunk(i: int, tokens: list[int], logprobs: list[float], reason: str | None) -> dict:
+        top = [{f"token_id:{t}": v} for t, v in zip(tokens, logprobs, strict=True)]
+        return {
+            "choices": [
+                {
+                    "index": i,
+                    "text": "",
+                    "token_ids": tokens,
+                    "logprobs": {"token_logprobs": logprobs, "top_logprobs": top},
+                    "finish_reason": reason,
+                }
+            ]
+        }
+
+    streamed.add(chunk(1, [4], [-0.5], None))
+    streamed.add(chunk(0, [8], [-0.25], None))
+    assert streamed.drawn() == ([[8], [4]], [[-0.25], [-0.5]])
+    streamed.add(chunk(0, [9, 10], [-1.0, -2.0], "length"))
+    streamed.add(chunk(1, [5], [-0.75], "stop"))
+    assert streamed.drawn() == ([[8, 9, 10], [4, 5]], [[-0.25, -1.0, -2.0], [-0.5, -0.75]])
+    first, second = vllm_requests.sequences(streamed.answer(), topk_logprobs=1)
+    assert (first.tokens, first.logprobs, first.stop_reason) == (
+        [8, 9, 10],
+        [-0.25, -1.0, -2.0],
+        "length",
+    )
+    assert (second.tokens, second.stop_reason, second.topk_logprobs) == (
+        [4, 5],
+        "stop",
+        [[(4, -0.5)], [(5, -0.75)]],
+    )
+    streamed.restart()  # sent again, to a new server
+    assert streamed.drawn() == ([[], []], [[], []])
+    with pytest.raises(RuntimeError, match="EngineDeadError"):
+        streamed.add({"error": {"message": "EngineDeadError", "type": "InternalServerError"}})
+    assert vllm_requests.sample_body("m", [1], 1, SamplingSpec(), seed=1, eos_token_id=2,
+                                     topk_logprobs=0)["stream"] is True  # fmt: skip
+
+
 def test_an_aborted_sample_is_an_error_not_a_result() -> None:
     answer = {"choices": [{"index": 0, "token_ids": [], "finish_reason": "abort", "logprobs": {}}]}
     with pytest.raises(RuntimeError, match="abort"):

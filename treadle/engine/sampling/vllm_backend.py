@@ -5,8 +5,9 @@ written as the peft folder Treadle writes for checkpoints and loaded under a nam
 weights' digest, so a name never serves other weights: vLLM keeps serving the old weights of a
 name loaded again with new files; unloaded when the snapshot is released and no job in flight
 uses it: snapshots are released by training calls that run beside samples), and `run`, which
-sends one job's requests and, when the server died under them (or did not start), starts it
-again and sends them again (the seed is fixed when the job joins, so the answer is the same).
+sends one job's requests (its samples streamed: their tokens readable as they come) and, when
+the server died under them (or did not start), starts it again and sends them again (the seed is
+fixed when the job joins, so the answer is the same).
 Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import shutil
 import threading
 import time
@@ -123,9 +125,13 @@ class VllmBackend:
         self._loaded.discard(name)
         shutil.rmtree(self._adapter_dir / name, ignore_errors=True)
 
-    def run(self, job: SampleJob, adapter: str, seed: int) -> SampleResult:
+    def run(
+        self, job: SampleJob, adapter: str, seed: int, streamed: vllm_requests.Streamed
+    ) -> SampleResult:
         """The job's result, from the server (started again if it died, and the job resent),
-        sampled with `adapter` (a name `adapter` gave, let go once done)."""
+        sampled with `adapter` (a name `adapter` gave, let go once done); its samples' tokens
+        gathered in `streamed` as they come (restarted when the job is sent again: the same
+        seed draws the same tokens, which the settled result has the last word on)."""
         try:
             seen = None
             for attempt in range(_ATTEMPTS):
@@ -142,7 +148,8 @@ class VllmBackend:
                     continue
                 seen = self.server.starts
                 try:
-                    return self._run_once(url, job, adapter, seed)
+                    streamed.restart()
+                    return self._run_once(url, job, adapter, seed, streamed)
                 except _ServerFailed as exc:
                     if attempt == _ATTEMPTS - 1:
                         raise UnavailableError(
@@ -163,7 +170,14 @@ class VllmBackend:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.server.close()
 
-    def _run_once(self, url: str, job: SampleJob, adapter: str, seed: int) -> SampleResult:
+    def _run_once(
+        self,
+        url: str,
+        job: SampleJob,
+        adapter: str,
+        seed: int,
+        streamed: vllm_requests.Streamed,
+    ) -> SampleResult:
         model = self._load(url, adapter)
         prompt = list(job.prompt)
         params = job.params
@@ -179,8 +193,8 @@ class VllmBackend:
                 topk_logprobs=job.topk_sample_logprobs,
             )
             with self._gate.shared():
-                answer = self._post(url, "/v1/completions", body)
-            samples = vllm_requests.sequences(answer, job.topk_sample_logprobs)
+                self._stream(url, "/v1/completions", body, streamed)
+            samples = vllm_requests.sequences(streamed.answer(), job.topk_sample_logprobs)
         scoring = job.scoring
         scores = None
         if scoring.logprobs or scoring.topk:
@@ -218,6 +232,31 @@ class VllmBackend:
         if response.status_code >= 400:
             raise ValidationError(f"vLLM refused the request: {_message(response)}")
         return response.json() if json_answer else response.text
+
+    def _stream(
+        self, url: str, path: str, body: dict[str, Any], streamed: vllm_requests.Streamed
+    ) -> None:
+        """Send a streamed request; its chunks go to `streamed` as they come."""
+        try:
+            with httpx.stream("POST", url + path, json=body, timeout=_REQUEST_SECONDS) as answer:
+                if answer.status_code >= 400:
+                    answer.read()
+                    if answer.status_code >= 500:
+                        raise _ServerFailed(f"HTTP {answer.status_code}: {answer.text[:200]}")
+                    raise ValidationError(f"vLLM refused the request: {_message(answer)}")
+                ended = False
+                for line in answer.iter_lines():
+                    data = line.removeprefix("data: ").strip()
+                    if not line.startswith("data: ") or not data:
+                        continue
+                    if data == "[DONE]":
+                        ended = True
+                        break
+                    streamed.add(json.loads(data))
+        except (httpx.TransportError, RuntimeError, ValueError) as exc:
+            raise _ServerFailed(f"{type(exc).__name__}: {exc}") from exc
+        if not ended:
+            raise _ServerFailed("the stream ended before vLLM's [DONE]")
 
 
 class _Gate:

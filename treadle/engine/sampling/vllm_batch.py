@@ -5,8 +5,8 @@ snapshot's adapter handed to vLLM, a seed fixed (the request's, else a fresh one
 request sent again after the server died draws the same tokens) and its requests sent at once;
 vLLM batches everything in flight itself (continuous batching, paged KV, several adapters per
 step). `step` returns the requests that finished meanwhile (waiting at most `STEP_SECONDS`); a
-request's own `interrupt` ends it at the next step. Samples reach their streams whole, when
-done. Must not import flask, sqlalchemy, celery or treadle.api.
+request's own `interrupt` ends it at the next step. vLLM streams each request's tokens as it
+draws them (`vllm_requests.Streamed`), so `drawn` gives what each sample has so far. Must not import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class VllmBatch:
         self._backend = backend
         self._validate = validate
         self._running: dict[Key, tuple[SampleJob, Future[SampleResult]]] = {}
+        self._streams: dict[Key, vllm_requests.Streamed] = {}  # what each has drawn so far
 
     def __len__(self) -> int:
         return len(self._running)
@@ -68,8 +69,10 @@ class VllmBatch:
                 finished.append((key, exc))
                 continue
             seed = job.params.seed if job.params.seed is not None else secrets.randbits(63)
-            future = self._backend.pool.submit(self._backend.run, job, adapter, seed)
+            streamed = vllm_requests.Streamed(job.num_samples)
+            future = self._backend.pool.submit(self._backend.run, job, adapter, seed, streamed)
             self._running[key] = (job, future)
+            self._streams[key] = streamed
         return finished
 
     def step(self, interrupt: Callable[[], None] | None = None) -> Finished:
@@ -81,19 +84,18 @@ class VllmBatch:
                 if job.interrupt is not None:
                     job.interrupt()
             except Exception as exc:  # this request only; vLLM's answer is dropped
-                del self._running[key]
+                del self._running[key], self._streams[key]
                 finished.append((key, exc))
         futures = [future for _, future in self._running.values()]
         if futures and not any(f.done() for f in futures):
             wait(futures, timeout=STEP_SECONDS, return_when=FIRST_COMPLETED)
         for key, (_, future) in list(self._running.items()):
             if future.done():
-                del self._running[key]
+                del self._running[key], self._streams[key]
                 error = future.exception()
                 finished.append((key, error if isinstance(error, Exception) else future.result()))
         return finished
 
     def drawn(self, key: Key) -> tuple[list[list[int]], list[list[float]]]:
-        """Nothing until the request is done: vLLM's answers come whole."""
-        n = self._running[key][0].num_samples
-        return [[] for _ in range(n)], [[] for _ in range(n)]
+        """Each sample's tokens so far, as vLLM streams them, and their logprobs."""
+        return self._streams[key].drawn()

@@ -4,20 +4,31 @@ Owns the translation both ways, with no I/O: `sample_body` (the samples: token i
 per-request seed, temperature, top-k/top-p, stop ids and strings, top-k logprobs per position)
 and `scoring_body` (the prompt's logprobs and their top-k, a request of its own: vLLM fails a
 request that asks for prompt logprobs of several samples with a LoRA on the output head), then
-`sequences` and `prompt_scores` read the answers. Stop rules are Treadle's: no `stop` stops at
-the model's end-of-sequence ids; any `stop` replaces them (`rules.stop_rules`); a stop token
-stays in the output. Must not import flask, sqlalchemy, celery or treadle.api.
+`sequences` and `prompt_scores` read the answers. Samples are streamed (`Streamed` gathers
+the chunks: what each sample has drawn so far, and at the end the answer an unstreamed request
+gets). Stop rules are Treadle's: no `stop` stops at the model's end-of-sequence ids; any `stop`
+replaces them (`rules.stop_rules`); a stop token stays in the output. Must not import flask,
+sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 from typing import Any
 
 from treadle.engine.sampling.prompt_scores import PromptScores, PromptScoring
 from treadle.engine.sampling.rules import EosIds, SampledSequence, SamplingSpec, stop_rules
 from treadle.platform.errors import ValidationError
 
-__all__ = ["check_supported", "prompt_scores", "sample_body", "scoring_body", "sequences"]
+__all__ = [
+    "Streamed",
+    "check_supported",
+    "prompt_scores",
+    "sample_body",
+    "scoring_body",
+    "sequences",
+]
 
 
 def check_supported(scoring: PromptScoring) -> None:
@@ -61,10 +72,67 @@ def sample_body(
         "ignore_eos": True,
         "stop_token_ids": sorted(stop_ids),
         "stop": list(stop_strings),
+        # each step's tokens as they are drawn (`Streamed`), for the clients that stream them
+        "stream": True,
     }
     if params.top_k > 0:
         body["top_k"] = params.top_k
     return body
+
+
+class Streamed:
+    """The chunks of a streamed `sample_body` request of `n` samples, gathered as they come (by
+    the thread that reads the stream) and read meanwhile (`drawn`, by the batch's thread)."""
+
+    def __init__(self, n: int) -> None:
+        self._lock = threading.Lock()
+        self._n = n
+        self._choices: list[dict[str, Any]] = []
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget what came: the request is sent again (to a new server)."""
+        with self._lock:
+            self._choices = [
+                {
+                    "index": i,
+                    "token_ids": [],
+                    "logprobs": {"token_logprobs": [], "top_logprobs": []},
+                    "finish_reason": None,
+                }
+                for i in range(self._n)
+            ]
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        """One chunk: each choice's new tokens and logprobs, and its finish reason at the end.
+        An error chunk (vLLM's engine failed under the stream) raises RuntimeError."""
+        if "error" in chunk:
+            raise RuntimeError(f"vLLM failed the stream: {chunk['error']}")
+        with self._lock:
+            for delta in chunk.get("choices") or []:
+                choice = self._choices[int(delta["index"])]
+                choice["token_ids"] += [int(t) for t in delta.get("token_ids") or []]
+                logprobs = delta.get("logprobs") or {}
+                choice["logprobs"]["token_logprobs"] += logprobs.get("token_logprobs") or []
+                choice["logprobs"]["top_logprobs"] += logprobs.get("top_logprobs") or []
+                if delta.get("finish_reason") is not None:
+                    choice["finish_reason"] = delta["finish_reason"]
+
+    def drawn(self) -> tuple[list[list[int]], list[list[float]]]:
+        """Each sample's tokens so far and their logprobs."""
+        with self._lock:
+            tokens, logprobs = [], []
+            for choice in self._choices:
+                values = choice["logprobs"]["token_logprobs"]
+                n = min(len(choice["token_ids"]), len(values))
+                tokens.append(list(choice["token_ids"][:n]))
+                logprobs.append([float(v) for v in values[:n]])
+            return tokens, logprobs
+
+    def answer(self) -> dict[str, Any]:
+        """The whole answer, as an unstreamed request's (`sequences` reads it)."""
+        with self._lock:
+            return {"choices": copy.deepcopy(self._choices)}
 
 
 def scoring_body(model: str, prompt: list[int], scoring: PromptScoring) -> dict[str, Any]:
