@@ -13,6 +13,7 @@ beside its training calls.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -51,20 +52,39 @@ def vllm_platform(
 ) -> Iterator[Platform]:
     """A platform of its own (database and Redis database too: the run's other platform must
     not take its sessions) whose one worker samples with vLLM."""
-    data_dir = tmp_path_factory.mktemp("vllm-platform")
+    with vllm_served(services, tmp_path_factory, "treadle_vllm", 8) as platform:
+        yield platform
+
+
+@contextlib.contextmanager
+def vllm_served(
+    services: Services,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    redis_offset: int,
+    *,
+    devices: int = 1,
+    env: dict[str, str] | None = None,
+) -> Iterator[Platform]:
+    """`treadle up` with one worker (a group of `devices` ranks) sampling with vLLM, on a
+    database `name` and the Redis database `redis_offset` after the run's."""
+    data_dir = tmp_path_factory.mktemp(name)
     base, _, number = services.redis_url.rpartition("/")
-    redis_url = f"{base}/{(int(number or 0) + 8) % 16}"
-    env = {
+    redis_url = f"{base}/{(int(number or 0) + redis_offset) % 16}"
+    full_env = {
         "TREADLE_SAMPLER_BACKEND": "vllm",
         "TREADLE_VLLM_PYTHON": vllm_python(),
         "TREADLE_VLLM_MAX_LORA_RANK": "16",
         "TREADLE_DEBUG_FAULTS": "1",  # a forward_backward held inside its passes (faults.py)
         # its own cache: the server's model folder, log and adapters under `data_dir`
         "TREADLE_CACHE_DIR": str(data_dir / "cache"),
+        **(env or {}),
     }
     with (
-        private_database(services.database_url, "treadle_vllm") as database_url,
-        served_platform(database_url, redis_url, data_dir, workers=1, env=env) as platform,
+        private_database(services.database_url, name) as database_url,
+        served_platform(
+            database_url, redis_url, data_dir, workers=1, devices=devices, env=full_env
+        ) as platform,
     ):
         yield platform
 
@@ -198,22 +218,11 @@ def vllm_group(services: Services, tmp_path_factory: pytest.TempPathFactory) -> 
     """A platform of its own whose one worker is a sharded group of two ranks (each decoder
     layer split across them) that samples with vLLM: rank 0's server, beside the group's
     training calls."""
-    data_dir = tmp_path_factory.mktemp("vllm-group")
-    base, _, number = services.redis_url.rpartition("/")
-    redis_url = f"{base}/{(int(number or 0) + 9) % 16}"
-    env = {
-        "TREADLE_SAMPLER_BACKEND": "vllm",
-        "TREADLE_VLLM_PYTHON": vllm_python(),
-        "TREADLE_VLLM_MAX_LORA_RANK": "16",
-        "TREADLE_DEBUG_FAULTS": "1",
-        "TREADLE_CACHE_DIR": str(data_dir / "cache"),
-        "TREADLE_GROUP_LAYOUT": "sharded",
-    }
-    with (
-        private_database(services.database_url, "treadle_vllm_group") as database_url,
-        served_platform(database_url, redis_url, data_dir, workers=1, devices=2, env=env) as up,
-    ):
-        yield up
+    sharded = {"TREADLE_GROUP_LAYOUT": "sharded"}
+    with vllm_served(
+        services, tmp_path_factory, "treadle_vllm_group", 9, devices=2, env=sharded
+    ) as platform:
+        yield platform
 
 
 def test_a_sharded_worker_group_samples_with_vllm_beside_its_training(
