@@ -15,7 +15,13 @@ each rank's host memory, then sharded.
 `--untied` runs the model with its output head untied (a copy of the embedding), as models big
 enough to shard keep it: a tied weight stays whole on every rank (`distributed.vocabulary`).
 
-    python benchmarks/sharded_residency.py [--model NAME] [--whole] [--untied]
+`--shape 8b` runs instead a random Llama in Llama 3.1 8B's proportions, small: 32 layers of hidden
+256 (grouped-query attention 4:1, an MLP 3.5x wide, as 8B's) and a vocabulary of 8,000, so that
+each vocabulary weight (embedding, head; untied) is the same share of the model as 8B's
+(0.065): SmolLM2's vocabulary is a fifth of it, which no other model of the sizes sharding is
+for comes near.
+
+    python benchmarks/sharded_residency.py [--model NAME] [--whole] [--untied | --shape 8b]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.tiny_models, for --shape
 
 MIB = 2**20
 
@@ -165,6 +172,33 @@ class PeakHeld:
 
 
 UNTIED_NAME = "benchmark/untied"
+SHAPE_8B_NAME = "benchmark/llama-8b-shape"
+
+
+def write_8b_shape(into: Path) -> None:
+    """A registrable folder: a random Llama in Llama 3.1 8B's proportions (see the module's
+    docstring), with a small tokenizer trained here (tests/tiny_models.py)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_models import save_tokenizer
+
+    tok: Any = save_tokenizer("bpe", into)
+    hidden = 256
+    config = LlamaConfig(
+        vocab_size=8000,
+        hidden_size=hidden,
+        intermediate_size=hidden * 7 // 2,
+        num_hidden_layers=32,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=tok.convert_tokens_to_ids(tok.eos_token),
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(into))
 
 
 def write_untied(folder: Path, into: Path, tokenizer_files: dict[str, bytes]) -> None:
@@ -190,7 +224,7 @@ def write_untied(folder: Path, into: Path, tokenizer_files: dict[str, bytes]) ->
 
 
 def rank_main(
-    model_name: str, cache_dir: Path, out: Path, whole: bool, untied: Path | None
+    model_name: str, cache_dir: Path, out: Path, whole: bool, folder: Path | None
 ) -> None:
     import numpy as np
 
@@ -207,12 +241,11 @@ def rank_main(
 
     group = worker_group.init_from_env(timeout_seconds=600, device="cpu", layout="sharded")
     models: dict[str, Any] = {}
-    if untied is not None:
+    if folder is not None:  # a folder written here, registered as `model_name`
         from treadle.platform.models import model_files
 
-        model_name = UNTIED_NAME
         models["models"] = {
-            UNTIED_NAME: model_files.inspect_folder(UNTIED_NAME, untied, model_files.Options())
+            model_name: model_files.inspect_folder(model_name, folder, model_files.Options())
         }.__getitem__
     engine = Engine(cache_dir=cache_dir, device="cpu", parallel=group, **models)
     if whole:
@@ -238,7 +271,7 @@ def rank_main(
     try:
         leader.create_adapter("a", model_name, LoraSpec(rank=16, alpha=32.0, seed=1))
         rng = np.random.default_rng(0)
-        tokens = rng.integers(1, 49_000, 257)
+        tokens = rng.integers(1, min(49_000, engine.tokenizer(model_name).vocab_size), 257)
         data = [
             EngineDatum(
                 tuple(int(t) for t in tokens[:-1]),
@@ -277,28 +310,35 @@ def main() -> int:
     parser.add_argument(
         "--untied", action="store_true", help="the model with its head untied (a copy)"
     )
-    parser.add_argument("--untied-folder", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--shape", choices=["8b"], default=None, help="a random Llama in 8B's proportions"
+    )
+    parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cache_dir = args.cache_dir or Path(tmp)
         if args.rank_mode:
-            rank_main(args.model, cache_dir, args.out, args.whole, args.untied_folder)
+            rank_main(args.model, cache_dir, args.out, args.whole, args.folder)
             return 0
         from treadle.engine.models.loading import model_dir
         from treadle.platform.models.catalog import get_base_model
 
-        info = get_base_model(args.model)
         extra = ["--whole"] if args.whole else []
-        if info.kind == "gguf":
+        if args.shape:
+            args.model = SHAPE_8B_NAME
+            write_8b_shape(Path(tmp) / "shape")
+            extra += ["--folder", str(Path(tmp) / "shape")]
+        elif (info := get_base_model(args.model)).kind == "gguf":
             folder = model_dir(info, cache_dir)  # converted once, before the ranks measure loading
             if args.untied:
                 from treadle.platform.models.tokenizers import tokenizer_files
 
                 untied = Path(tmp) / "untied"
                 write_untied(folder, untied, tokenizer_files(info, cache_dir))
-                extra += ["--untied-folder", str(Path(tmp) / "untied")]
+                extra += ["--folder", str(untied)]
+                args.model = UNTIED_NAME
         elif args.untied:
             raise SystemExit("--untied needs a model converted from GGUF (SmolLM2)")
         out, port = Path(tmp) / "out.json", str(free_port())
