@@ -253,7 +253,8 @@ class VllmBackend:
                         ended = True
                         break
                     streamed.add(json.loads(data))
-        except (httpx.TransportError, RuntimeError, ValueError) as exc:
+        except (httpx.TransportError, RuntimeError, json.JSONDecodeError) as exc:
+            # not ValueError: a refusal (ValidationError) is one, and is the client's to see
             raise _ServerFailed(f"{type(exc).__name__}: {exc}") from exc
         if not ended:
             raise _ServerFailed("the stream ended before vLLM's [DONE]")
