@@ -109,39 +109,47 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, world_size: int, port: int, n: int, out: dict[int, object]) -> None:
+def _rank(
+    rank: int, world_size: int, port: int, sizes: tuple[int, ...], out: dict[object, object]
+) -> None:
+    """One rank of the group: an exchange of `n` parts for each n of `sizes`, in one process
+    group (a process each rank, spawned once)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         group = Group(rank, world_size, 60.0)
-        terms = _terms(n)
-        units = group.units(n)
-        mine: dict[int, Part] = {}
-        for p, kept in group.passes([100] * n):
-            assert kept
-            mine[p] = Part([], float(p))
-        sums = {
-            u: total
-            for u, (unit, total) in enumerate(zip(units, _unit_sums(terms, units), strict=True))
-            if unit.start in mine
-        }
-        parts, gradient = group.exchange(mine, sums, units)
-        assert [part.loss for part in parts] == [float(p) for p in range(n)]
-        assert gradient is not None
-        out[rank] = (gradient.clone(), group.exchanged.gradient_bytes)
+        for n in sizes:
+            terms = _terms(n)
+            units = group.units(n)
+            mine: dict[int, Part] = {}
+            for p, kept in group.passes([100] * n):
+                assert kept
+                mine[p] = Part([], float(p))
+            sums = {
+                u: total
+                for u, (unit, total) in enumerate(zip(units, _unit_sums(terms, units), strict=True))
+                if unit.start in mine
+            }
+            before = group.exchanged.gradient_bytes
+            parts, gradient = group.exchange(mine, sums, units)
+            assert [part.loss for part in parts] == [float(p) for p in range(n)]
+            assert gradient is not None
+            out[rank, n] = (gradient.clone(), group.exchanged.gradient_bytes - before)
     finally:
         dist.destroy_process_group()
 
 
-def _world(world_size: int, n: int) -> dict[int, object]:
-    out: dict[int, object] = mp.Manager().dict()
-    mp.spawn(_rank, args=(world_size, _free_port(), n, out), nprocs=world_size)
+def _world(world_size: int, sizes: tuple[int, ...]) -> dict[object, object]:
+    out: dict[object, object] = mp.Manager().dict()
+    mp.spawn(_rank, args=(world_size, _free_port(), sizes, out), nprocs=world_size)
     return dict(out)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_group_adds_the_same_bits_and_moves_the_adapter_a_few_times(world_size: int) -> None:
-    for n in (1, 16, 64):
+    sizes = (1, 16, 64)
+    ranks = _world(world_size, sizes)
+    for n in sizes:
         expected = _tree(_terms(n))
         alone = ALONE.exchange(
             {p: Part([], float(p)) for p in range(n)},
@@ -149,9 +157,8 @@ def test_a_group_adds_the_same_bits_and_moves_the_adapter_a_few_times(world_size
             ALONE.units(n),
         )[1]
         assert alone is not None and torch.equal(alone, expected)
-        ranks = _world(world_size, n)
         for rank in range(world_size):
-            gradient, received = ranks[rank]  # type: ignore[misc]
+            gradient, received = ranks[rank, n]  # type: ignore[misc]
             assert torch.equal(gradient, expected), (n, world_size, rank)
             # the adapter's bytes a few times over (this rank's slice of every unit, then
             # every slice), not once per part
