@@ -36,6 +36,12 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_cache_dir(tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def alone(cache_dir: Path) -> dict[str, Any]:
+    """The loop in one process, as every group of the plain loop must end (run once)."""
+    return one_process(cache_dir)
+
+
 def one_process(cache_dir: Path, model_folder: Path | None = None, **kwargs: Any) -> dict[str, Any]:
     model = None if model_folder is None else group_loop.registered(model_folder)
     engine = Engine(
@@ -105,12 +111,11 @@ def same_samples(alone: list[Any], grouped: list[Any]) -> None:
 
 @pytest.mark.parametrize("layout", ["replicated", "sharded"])
 def test_two_ranks_equal_one_process_bit_for_bit(
-    cache_dir: Path, tmp_path: Path, layout: str
+    cache_dir: Path, alone: dict[str, Any], tmp_path: Path, layout: str
 ) -> None:
     """Replicated: each rank computes its share of every request's parts and decodes its
     share of the sample requests. Sharded: each rank holds half of every decoder layer's
     weights (FSDP2), gathered for each pass."""
-    alone = one_process(cache_dir)
     grouped = group_of_two(cache_dir, tmp_path / "out.json", layout=layout)
     assert len(grouped["steps"]) == group_loop.STEPS
     for step, (a, b) in enumerate(zip(alone["steps"], grouped["steps"], strict=True)):
@@ -187,9 +192,9 @@ def test_a_sharded_group_trains_moe_experts_as_one_process_does(
 
 @pytest.mark.parametrize("layout", ["replicated", "sharded"])
 def test_a_state_saved_by_the_group_loads_in_one_process_and_back(
-    cache_dir: Path, tmp_path: Path, layout: str
+    cache_dir: Path, alone: dict[str, Any], tmp_path: Path, layout: str
 ) -> None:
-    uninterrupted = one_process(cache_dir)
+    uninterrupted = alone
     saved_by_group = tmp_path / "by-group"
     group_of_two(cache_dir, tmp_path / "a.json", "save", str(saved_by_group), layout=layout)
     continued_alone = one_process(cache_dir, load=saved_by_group)
@@ -236,12 +241,11 @@ def test_a_sharded_group_whose_first_call_is_a_sample_serves_it(
 
 
 def test_a_rank_configured_with_another_pass_budget_splits_as_rank_0_says(
-    cache_dir: Path, tmp_path: Path
+    cache_dir: Path, alone: dict[str, Any], tmp_path: Path
 ) -> None:
     """Rank 1's engine is configured with a pass budget of 4,096 tokens (every request one
     pass), rank 0's with the loop's 96: rank 0 sends its budget with each forward_backward, so
     both cut every request the same way and the group equals one process at 96, bit for bit."""
-    alone = one_process(cache_dir)
     out = tmp_path / "out.json"
     codes, logs = run_ranks(cache_dir, out, env={"GROUP_LOOP_RANK1_TOKENS": "4096"})
     assert codes == [0, 0], logs[-6000:]
