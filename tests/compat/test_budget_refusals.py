@@ -203,6 +203,7 @@ def _train(
     return tc.model_id, losses
 
 
+@pytest.mark.own_services
 def test_a_paused_loop_goes_on_when_the_operator_raises_the_quota(paused_up: Up) -> None:
     _, free_key = _tenant(paused_up.base_url, paused_up.admin_key, "unpaused", None)
     _, uninterrupted = _train(paused_up, free_key, 4)

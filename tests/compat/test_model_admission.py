@@ -33,7 +33,7 @@ from treadle.engine.footprint import PassSettings, model_footprint
 from treadle.platform.models import model_files
 from treadle.platform.sessions import admission
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_services]
 
 # A pass of at most the model's 512-token context, 1,024 tokens of KV: the fixed part is small,
 # so what the adapters take decides.

@@ -31,7 +31,7 @@ from tests.fault.conftest import FAULT_ENV, Up, start_up, wait_for
 from tests.unit.engine_support import shared_cache_dir
 from treadle.platform.embedded import free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_services]
 
 GROUP_ID = "two-nodes@localhost"
 

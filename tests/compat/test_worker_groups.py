@@ -34,7 +34,7 @@ from treadle.engine import AdamSpec, Engine, EngineDatum, LoraSpec, SamplingSpec
 from treadle.platform.eventlog.schema import operations, usage
 from treadle.platform.models.catalog import TINY_DEBUG_NAME
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_services]
 
 PART_TOKENS = 96
 STEPS = 6

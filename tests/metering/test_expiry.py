@@ -25,7 +25,7 @@ from tests.metering.conftest import (
 )
 from treadle.worker import faults
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.own_services]
 
 # Below the tinker SDK's heartbeat period (10 s), so an SDK client that sends nothing expires.
 IDLE_SECONDS = 5
