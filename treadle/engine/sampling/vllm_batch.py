@@ -6,7 +6,8 @@ request sent again after the server died draws the same tokens) and its requests
 vLLM batches everything in flight itself (continuous batching, paged KV, several adapters per
 step). `step` returns the requests that finished meanwhile (waiting at most `STEP_SECONDS`); a
 request's own `interrupt` ends it at the next step. vLLM streams each request's tokens as it
-draws them (`vllm_requests.Streamed`), so `drawn` gives what each sample has so far. Must not import flask, sqlalchemy, celery or treadle.api.
+draws them (`vllm_requests.Streamed`), so `drawn` gives what each sample has so far. Must not
+import flask, sqlalchemy, celery or treadle.api.
 """
 
 from __future__ import annotations
