@@ -89,6 +89,31 @@ def vllm_served(
         yield platform
 
 
+def test_a_sharded_worker_group_samples_with_vllm_beside_its_training(
+    services: Services, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A worker group's samples go to rank 0's vLLM server (its snapshots are whole there): two
+    sessions' adapters together within tolerance of the group's own forward, and a sample that
+    finishes while the group's forward_backward is held (rank 0 before it sends the call). Its
+    platform, a sharded group of two ranks, lives for this test only, the module's first: no
+    other vLLM server runs beside its own (two on this machine's two cores starved the tests
+    beside them)."""
+    sharded = {"TREADLE_GROUP_LAYOUT": "sharded"}
+    with vllm_served(
+        services, tmp_path_factory, "treadle_vllm_group", 9, devices=2, env=sharded
+    ) as platform:
+        service = tinker.ServiceClient(
+            base_url=platform.base_url, api_key=new_tenant_key(platform, "vllm-group")
+        )
+        try:
+            sample_together_within_tolerance(service)
+            sample_while_a_forward_backward_is_held(platform, service)
+        finally:
+            service.close("success").result()
+        assert sampled_by_vllm(platform) > 0
+        assert len(vllm_server_pids(platform)) == 1  # rank 0's, the group's only one
+
+
 @pytest.fixture(scope="module")
 def key(vllm_platform: Platform) -> str:
     return new_tenant_key(vllm_platform, "vllm")
@@ -211,36 +236,6 @@ def sample_while_a_forward_backward_is_held(
     assert pauses.exists(faults.paused_key(model_id))  # still held: the sample did not wait
     faults.release(pauses, model_id)
     assert held.result(timeout=60).metrics["loss:sum"] > 0
-
-
-@pytest.fixture(scope="module")
-def vllm_group(services: Services, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    """A platform of its own whose one worker is a sharded group of two ranks (each decoder
-    layer split across them) that samples with vLLM: rank 0's server, beside the group's
-    training calls."""
-    sharded = {"TREADLE_GROUP_LAYOUT": "sharded"}
-    with vllm_served(
-        services, tmp_path_factory, "treadle_vllm_group", 9, devices=2, env=sharded
-    ) as platform:
-        yield platform
-
-
-def test_a_sharded_worker_group_samples_with_vllm_beside_its_training(
-    vllm_group: Platform,
-) -> None:
-    """A worker group's samples go to rank 0's vLLM server (its snapshots are whole there): two
-    sessions' adapters together within tolerance of the group's own forward, and a sample that
-    finishes while the group's forward_backward is held (rank 0 before it sends the call)."""
-    service = tinker.ServiceClient(
-        base_url=vllm_group.base_url, api_key=new_tenant_key(vllm_group, "vllm-group")
-    )
-    try:
-        sample_together_within_tolerance(service)
-        sample_while_a_forward_backward_is_held(vllm_group, service)
-    finally:
-        service.close("success").result()
-    assert sampled_by_vllm(vllm_group) > 0
-    assert len(vllm_server_pids(vllm_group)) == 1  # rank 0's, the group's only one
 
 
 def test_a_streamed_completion_comes_in_pieces_as_vllm_draws_them(
