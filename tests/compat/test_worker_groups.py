@@ -198,8 +198,10 @@ def key(group_up: Up) -> str:
     return tenant_key(group_up, "groups")
 
 
-def rank_pids() -> dict[int, int]:
-    """RANK -> pid of this machine's `treadle worker` rank processes."""
+def rank_pids(up: Up) -> dict[int, int]:
+    """RANK -> pid of the `treadle worker` rank processes of `up` (its data dir in their
+    environment: another platform's group may run on this machine at the same time)."""
+    data_dir = str(up.data_dir).encode()
     found = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -215,7 +217,7 @@ def rank_pids() -> dict[int, int]:
             and b"torch.distributed.run" not in cmdline
         ):
             env = dict(e.split(b"=", 1) for e in environ if b"=" in e)
-            if b"RANK" in env:
+            if b"RANK" in env and env.get(b"TREADLE_DATA_DIR") == data_dir:
                 found[int(env[b"RANK"])] = int(proc.name)
     return found
 
@@ -257,8 +259,8 @@ def test_status_and_metrics_show_the_group(group_up: Up, request: pytest.Fixture
 def test_kill_9_of_a_rank_ends_the_group_and_the_loop_goes_on_to_the_same_weights(
     group_up: Up, key: str, expected: dict[str, Any], rank: int, op: str
 ) -> None:
-    wait_for(lambda: sorted(rank_pids()) == [0, 1], 60, "a group of two ranks")
-    before = rank_pids()
+    wait_for(lambda: sorted(rank_pids(group_up)) == [0, 1], 60, "a group of two ranks")
+    before = rank_pids(group_up)
 
     def kill(step: int, sent: str) -> None:
         if (step, sent) == (2, op):
@@ -267,8 +269,8 @@ def test_kill_9_of_a_rank_ends_the_group_and_the_loop_goes_on_to_the_same_weight
     model_id, steps, samples = sdk_loop(group_up, key, during=kill)
     check_same(expected, steps, recorded_states(group_up, model_id), samples)
     # a new group, and nothing of the old one left
-    wait_for(lambda: sorted(rank_pids()) == [0, 1], 60, "a new group of two ranks")
-    after = rank_pids()
+    wait_for(lambda: sorted(rank_pids(group_up)) == [0, 1], 60, "a new group of two ranks")
+    after = rank_pids(group_up)
     assert not set(before.values()) & set(after.values())
     for pid in before.values():
         assert (
