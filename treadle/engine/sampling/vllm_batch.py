@@ -43,8 +43,10 @@ class VllmBatch:
     def __init__(self, backend: VllmBackend, validate: Validate) -> None:
         self._backend = backend
         self._validate = validate
-        self._running: dict[Key, tuple[SampleJob, Future[SampleResult]]] = {}
-        self._streams: dict[Key, vllm_requests.Streamed] = {}  # what each has drawn so far
+        # each request's job, its answer to come, and what its samples have drawn so far
+        self._running: dict[
+            Key, tuple[SampleJob, Future[SampleResult], vllm_requests.Streamed]
+        ] = {}
 
     def __len__(self) -> int:
         return len(self._running)
@@ -72,31 +74,30 @@ class VllmBatch:
             seed = job.params.seed if job.params.seed is not None else secrets.randbits(63)
             streamed = vllm_requests.Streamed(job.num_samples)
             future = self._backend.pool.submit(self._backend.run, job, adapter, seed, streamed)
-            self._running[key] = (job, future)
-            self._streams[key] = streamed
+            self._running[key] = (job, future, streamed)
         return finished
 
     def step(self, interrupt: Callable[[], None] | None = None) -> Finished:
         if interrupt is not None:
             interrupt()
         finished: Finished = []
-        for key, (job, _) in list(self._running.items()):
+        for key, (job, _, _) in list(self._running.items()):
             try:
                 if job.interrupt is not None:
                     job.interrupt()
             except Exception as exc:  # this request only; vLLM's answer is dropped
-                del self._running[key], self._streams[key]
+                del self._running[key]
                 finished.append((key, exc))
-        futures = [future for _, future in self._running.values()]
+        futures = [future for _, future, _ in self._running.values()]
         if futures and not any(f.done() for f in futures):
             wait(futures, timeout=STEP_SECONDS, return_when=FIRST_COMPLETED)
-        for key, (_, future) in list(self._running.items()):
+        for key, (_, future, _) in list(self._running.items()):
             if future.done():
-                del self._running[key], self._streams[key]
+                del self._running[key]
                 error = future.exception()
                 finished.append((key, error if isinstance(error, Exception) else future.result()))
         return finished
 
     def drawn(self, key: Key) -> tuple[list[list[int]], list[list[float]]]:
         """Each sample's tokens so far, as vLLM streams them, and their logprobs."""
-        return self._streams[key].drawn()
+        return self._running[key][2].drawn()
