@@ -348,11 +348,12 @@ def _devices(env: Mapping[str, str], name: str) -> str:
     if not raw:
         return ""
     parts = raw.split(",")
-    if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+    indices = [int(p) for p in parts if p.isdigit()]
+    if len(indices) != len(parts) or len(set(indices)) != len(indices):
         raise ValueError(
             f"{name} must list distinct device indices separated by commas (6,7), got {raw!r}"
         )
-    return ",".join(str(int(p)) for p in parts)
+    return ",".join(map(str, indices))
 
 
 def _whole(env: Mapping[str, str], name: str, default: int) -> int:

@@ -48,6 +48,6 @@ def test_the_devices_setting_is_parsed_and_refused_with_what_to_write() -> None:
     assert config.vllm_devices == "6,7"
     assert PlatformConfig.from_env(config.to_env()).vllm_devices == "6,7"
     assert PlatformConfig.from_env({}).vllm_devices == ""
-    for bad in ("6,6", "cuda:1", "1,,2", "-1"):
+    for bad in ("6,6", "06,6", "cuda:1", "1,,2", "-1"):
         with pytest.raises(ValueError, match=r"TREADLE_VLLM_DEVICES must list distinct device"):
             PlatformConfig.from_env({"TREADLE_VLLM_DEVICES": bad})
